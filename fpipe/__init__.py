@@ -1,0 +1,14 @@
+"""fpipe: JAX-style functional staging for PyTorch pipeline parallelism.
+
+The public API is this import list; everything else lives in `fpipe._src`.
+"""
+
+from . import schedules as schedules
+from ._src.api import Pipelined as Pipelined
+from ._src.api import grad as grad
+from ._src.api import pipeline as pipeline
+from ._src.api import value_and_grad as value_and_grad
+from ._src.functionalize import functionalize as functionalize
+from ._src.marker import stage_boundary as stage_boundary
+
+__version__ = "0.1.0"

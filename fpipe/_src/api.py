@@ -1,0 +1,470 @@
+"""The public transforms: `pipeline`, `value_and_grad`, `grad`.
+
+`Pipelined.__call__` and `value_and_grad` both go through `Pipelined._compile`, which reads like
+the data path: trace -> (partition) -> split -> schedule -> run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Sequence
+
+import torch
+
+from . import tree
+from .partition import auto_partition
+from .run import LocalRunner
+from .schedule import Schedule, build, names
+from .split import Staged, split
+from .trace import Forward, Joint, make_fakes, trace_forward, trace_joint
+from .marker import BOUNDARY
+
+__all__ = ["pipeline", "value_and_grad", "grad", "Pipelined"]
+
+_REDUCTIONS = ("mean", "sum")
+
+
+def _fn_name(f: Callable[..., Any]) -> str:
+    return getattr(f, "__name__", None) or repr(f)
+
+
+@dataclasses.dataclass
+class _Inputs:
+    """A call's inputs, flattened: params leaves, data leaves (split per microbatch), statics."""
+
+    param_leaves: list[torch.Tensor]
+    param_spec: Any
+    data_leaves: list[torch.Tensor]  # whole-batch tensors
+    axes: list[int | None]  # split axis of each data leaf
+    statics: list[Any]  # non-tensor leaves of (args, kwargs), in order
+    is_tensor: list[bool]
+    data_spec: Any
+
+    def key(self) -> tuple[Any, ...]:
+        def sig(t: torch.Tensor) -> tuple[Any, ...]:
+            return (tuple(t.shape), t.dtype, t.device.type)
+
+        return (
+            str(self.param_spec),
+            tuple(sig(t) for t in self.param_leaves),
+            str(self.data_spec),
+            tuple(sig(t) for t in self.data_leaves),
+            tuple(self.axes),
+            tuple(repr(s) for s in self.statics),
+        )
+
+
+@dataclasses.dataclass
+class _Compiled:
+    staged: Staged
+    runner: LocalRunner
+    consts: list[torch.Tensor]
+    out_spec: Any
+    reductions: list[str | int]
+    diff: list[int]
+    stage_costs: list[float] | None
+
+
+class Pipelined:
+    """A function cut into pipeline stages. Call it like the function it wraps."""
+
+    def __init__(
+        self,
+        f: Callable[..., Any],
+        *,
+        stages: int | None,
+        microbatches: int,
+        schedule: str | Schedule | Callable[..., Schedule],
+        in_axes: Any,
+        out_axes: Any,
+    ) -> None:
+        self.f = f
+        self.stages = stages
+        self.microbatches = microbatches
+        self.schedule = schedule
+        self.in_axes = in_axes
+        self.out_axes = out_axes
+        self._cache: dict[tuple[Any, ...], _Compiled] = {}
+        functools.update_wrapper(self, f, updated=())
+
+    def _call_str(self) -> str:
+        parts = [_fn_name(self.f)]
+        if self.stages is not None:
+            parts.append(f"stages={self.stages}")
+        parts.append(f"microbatches={self.microbatches}")
+        return f"pipeline({', '.join(parts)})"
+
+    def __repr__(self) -> str:
+        return self._call_str()
+
+    # -- inputs ------------------------------------------------------------------------------
+    def _flatten(self, params: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Inputs:
+        call = self._call_str()
+        p_leaves, p_spec = tree.flatten(params)
+        for path_i, leaf in enumerate(p_leaves):
+            if not isinstance(leaf, torch.Tensor):
+                raise TypeError(
+                    f"{call}: leaf {path_i} of params is a {type(leaf).__name__}; params must be a "
+                    "pytree of tensors (pass other values as later arguments)."
+                )
+        leaves, spec = tree.flatten((args, kwargs))
+        arg_axes = tree.broadcast_prefix(self.in_axes, args)
+        n_arg_leaves = len(arg_axes)
+        data, axes, statics, is_tensor = [], [], [], []
+        for i, leaf in enumerate(leaves):
+            if isinstance(leaf, torch.Tensor):
+                axis = arg_axes[i] if i < n_arg_leaves else 0
+                if axis is not None and leaf.dim() == 0:
+                    axis = None
+                data.append(leaf)
+                axes.append(axis)
+                is_tensor.append(True)
+            else:
+                statics.append(leaf)
+                is_tensor.append(False)
+        return _Inputs(p_leaves, p_spec, data, axes, statics, is_tensor, spec)
+
+    def _split_data(self, inp: _Inputs) -> list[list[torch.Tensor]]:
+        m = self.microbatches
+        names = _leaf_names(inp.data_spec, inp.is_tensor)
+        chunks = []
+        for j, (t, axis) in enumerate(zip(inp.data_leaves, inp.axes)):
+            if axis is None:
+                chunks.append([t] * m)
+                continue
+            size = t.shape[axis]
+            if size % m:
+                good = [d for d in range(1, size + 1) if size % d == 0 and d <= m]
+                raise ValueError(
+                    f"{self._call_str()}: batch size {size} of argument {names[j]} (dim {axis}) is "
+                    f"not divisible by microbatches={m}; use a batch that is a multiple of {m} or "
+                    f"microbatches={good[-1]}."
+                )
+            chunks.append(list(torch.split(t, size // m, dim=axis)))
+        return [[c[i] for c in chunks] for i in range(m)]
+
+    def _rebuild(self, inp: _Inputs) -> Callable[[list[torch.Tensor]], tuple[Any, tuple[Any, ...], dict[str, Any]]]:
+        n_p = len(inp.param_leaves)
+
+        def rebuild(leaves: list[torch.Tensor]) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+            params = tree.unflatten(leaves[:n_p], inp.param_spec)
+            data, statics = iter(leaves[n_p:]), iter(inp.statics)
+            flat = [next(data) if t else next(statics) for t in inp.is_tensor]
+            args, kwargs = tree.unflatten(flat, inp.data_spec)
+            return params, args, kwargs
+
+        return rebuild
+
+    # -- compile: trace -> partition -> split -> schedule ---------------------------------------
+    def _compile(self, inp: _Inputs, mb0: list[torch.Tensor], grad_of: tuple[int, ...] | None, has_aux: bool) -> _Compiled:
+        call = self._call_str()
+        data_device = mb0[0].device if mb0 else None
+        mode, fakes = make_fakes([*inp.param_leaves, *mb0], data_device)
+        fwd = trace_forward(call, self.f, self._rebuild(inp), fakes, len(inp.param_leaves))
+        stage_costs = self._cut(fwd)
+        reductions = self._reductions(fwd)
+        const_fakes = [trace_fake(mode, c, data_device) for c in fwd.consts]
+        if grad_of is None:
+            joint = _forward_as_joint(fwd)
+            diff: list[int] = []
+        else:
+            diff = self._diff_positions(inp, grad_of, fwd, reductions, has_aux)
+            with mode:
+                ct = torch.empty((), dtype=fakes[diff[0]].dtype if diff else torch.float32, device=data_device)
+            joint = trace_joint(call, fwd, [*fakes, *const_fakes, ct], diff, has_aux)
+        staged = split(call, joint, self.stages)
+        sched = self._schedule(staged.n_stages)
+        return _Compiled(staged, LocalRunner(staged, sched), fwd.consts, fwd.out_spec, reductions, diff, stage_costs)
+
+    def _cut(self, fwd: Forward) -> list[float] | None:
+        n_markers = len(fwd.gm.graph.find_nodes(op="call_function", target=BOUNDARY))
+        if self.stages is None or (n_markers and self.stages == n_markers + 1):
+            return None
+        if n_markers:
+            raise ValueError(
+                f"{self._call_str()}: stages={self.stages} but the function calls stage_boundary "
+                f"{n_markers} time(s), which makes {n_markers + 1} stages; pass stages="
+                f"{n_markers + 1} (or stages=None to follow the boundaries), or remove the "
+                "stage_boundary calls to let fpipe choose the cuts."
+            )
+        if self.stages == 1:
+            return None
+        return auto_partition(self._call_str(), fwd, self.stages)
+
+    def _schedule(self, n_stages: int) -> Schedule:
+        s = self.schedule
+        if isinstance(s, Schedule):
+            sched = s
+        elif callable(s):
+            sched = s(pp=n_stages, microbatches=self.microbatches)
+        else:
+            sched = build(s, pp=n_stages, microbatches=self.microbatches)
+        if sched.n_stages != n_stages or sched.n_microbatches != self.microbatches:
+            raise ValueError(
+                f"{self._call_str()}: the schedule covers {sched.n_stages} stages and "
+                f"{sched.n_microbatches} microbatches but the program has {n_stages} stages and "
+                f"microbatches={self.microbatches}; build the schedule for those numbers."
+            )
+        return sched
+
+    def _reductions(self, fwd: Forward) -> list[str | int]:
+        outs = fwd.gm.graph.find_nodes(op="output")[0].args[0]
+        dims = [o.meta["val"].dim() for o in outs]  # type: ignore[union-attr]
+        if self.out_axes is None:
+            return ["mean" if d == 0 else 0 for d in dims]
+        template = tree.unflatten(list(range(len(dims))), fwd.out_spec)
+        given = tree.broadcast_prefix(self.out_axes, template)
+        for r in given:
+            if not (r in _REDUCTIONS or isinstance(r, int)):
+                raise ValueError(
+                    f"{self._call_str()}: out_axes entry {r!r} is not 'mean', 'sum' or an int "
+                    "(the axis along which microbatch outputs are concatenated)."
+                )
+        return list(given)
+
+    def _diff_positions(
+        self, inp: _Inputs, argnums: tuple[int, ...], fwd: Forward, reductions: list[str | int], has_aux: bool
+    ) -> list[int]:
+        call = f"value_and_grad({self._call_str()})"
+        outs = fwd.gm.graph.find_nodes(op="output")[0].args[0]
+        loss = outs[0].meta["val"]  # type: ignore[index, union-attr]
+        if loss.dim() != 0 or (not has_aux and len(outs) != 1):  # type: ignore[arg-type]
+            what = f"a tensor of shape {tuple(loss.shape)}" if len(outs) == 1 else f"{len(outs)} tensors"  # type: ignore[arg-type]
+            raise ValueError(
+                f"{call}: the function must return a scalar loss{' and an aux value' if has_aux else ''}, "
+                f"but returns {what}; reduce it to a scalar, or pass has_aux=True and return (loss, aux)."
+            )
+        if reductions[0] not in _REDUCTIONS:
+            raise ValueError(f"{call}: the loss must be reduced over microbatches by 'mean' or 'sum', not {reductions[0]!r}.")
+        return _argnum_positions(call, inp, argnums)
+
+    # -- call --------------------------------------------------------------------------------
+    def _get(self, params: Any, args: tuple[Any, ...], kwargs: dict[str, Any], grad_of: tuple[int, ...] | None, has_aux: bool) -> tuple[_Inputs, list[list[torch.Tensor]], _Compiled]:
+        inp = self._flatten(params, args, kwargs)
+        mbs = self._split_data(inp)
+        key = (inp.key(), grad_of, has_aux)
+        compiled = self._cache.get(key)
+        if compiled is None:
+            compiled = self._compile(inp, mbs[0], grad_of, has_aux)
+            self._cache[key] = compiled
+        return inp, mbs, compiled
+
+    def _execute(self, inp: _Inputs, mbs: list[list[torch.Tensor]], c: _Compiled, ct: float | None) -> list[list[Any]]:
+        st = c.staged
+        glob = dict(zip(st.param_inputs, inp.param_leaves))
+        glob.update(zip(st.const_inputs, c.consts))
+        if ct is not None:
+            ref = inp.param_leaves[0] if inp.param_leaves else mbs[0][0]
+            glob[st.ct_input] = torch.tensor(ct, dtype=ref.dtype, device=ref.device)
+        data = [dict(zip(st.data_inputs, mb)) for mb in mbs]
+        return c.runner.run(glob, data)
+
+    def __call__(self, params: Any, *args: Any, **kwargs: Any) -> Any:
+        inp, mbs, c = self._get(params, args, kwargs, None, False)
+        results = self._execute(inp, mbs, c, None)
+        outs = _reduce([r[: c.staged.n_outs] for r in results], c.reductions)
+        return tree.unflatten(outs, c.out_spec)
+
+    def value_and_grad(self, argnums: int | tuple[int, ...], has_aux: bool, params: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+        inp, mbs, c = self._get(params, args, kwargs, nums, has_aux)
+        m = self.microbatches
+        ct = 1.0 / m if c.reductions[0] == "mean" else 1.0
+        results = self._execute(inp, mbs, c, ct)
+        n_outs = c.staged.n_outs
+        outs = _reduce([r[:n_outs] for r in results], c.reductions)
+        value = tree.unflatten(outs, c.out_spec)
+        grads = self._gather_grads(inp, c, [r[n_outs:] for r in results], nums)
+        return value, (grads[0] if isinstance(argnums, int) else tuple(grads))
+
+    def _gather_grads(self, inp: _Inputs, c: _Compiled, per_mb: list[list[Any]], nums: tuple[int, ...]) -> list[Any]:
+        n_p = len(inp.param_leaves)
+        flat: dict[int, torch.Tensor] = {}
+        for j, pos in enumerate(c.diff):
+            gs = [r[j] for r in per_mb]
+            axis = None if pos < n_p else inp.axes[pos - n_p]
+            flat[pos] = _sum(gs) if axis is None else torch.cat(gs, dim=axis)
+        out = []
+        for num in nums:
+            positions = _positions_of_argnum(inp, num)
+            out.append(_rebuild_grad_tree(inp, num, [flat[p] for p in positions]))
+        return out
+
+
+def trace_fake(mode: Any, t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    from .trace import fake_like
+
+    return fake_like(mode, t, device)
+
+
+def _sum(gs: list[torch.Tensor]) -> torch.Tensor:
+    acc = gs[0]
+    for g in gs[1:]:
+        acc = acc + g
+    return acc
+
+
+def _reduce(per_mb: list[list[torch.Tensor]], reductions: Sequence[str | int]) -> list[torch.Tensor]:
+    out = []
+    for i, r in enumerate(reductions):
+        vals = [mb[i] for mb in per_mb]
+        if r == "mean":
+            out.append(_sum(vals) / len(vals))
+        elif r == "sum":
+            out.append(_sum(vals))
+        else:
+            out.append(torch.cat(vals, dim=int(r)))
+    return out
+
+
+def _leaf_names(spec: Any, is_tensor: list[bool]) -> list[str]:
+    """Readable names ('tokens', 'args[1]', "kwargs['mask']") of the tensor leaves of (args, kwargs)."""
+    import torch.utils._pytree as py
+
+    template = tree.unflatten(list(range(len(is_tensor))), spec)
+    paths, _ = py.tree_flatten_with_path(template)
+    names = []
+    for (path, _), t in zip(paths, is_tensor):
+        if t:
+            names.append(("args" if path[0].idx == 0 else "kwargs") + "".join(str(k) for k in path[1:]))  # type: ignore[attr-defined]
+    return names
+
+
+def _positions_of_argnum(inp: _Inputs, num: int) -> list[int]:
+    n_p = len(inp.param_leaves)
+    if num == 0:
+        return list(range(n_p))
+    args_template = tree.unflatten(list(range(len(inp.is_tensor))), inp.data_spec)[0]
+    if num - 1 >= len(args_template):
+        return []
+    arg_leaf_ids, _ = tree.flatten(args_template[num - 1])
+    tensor_rank = {leaf: k for k, leaf in enumerate(i for i, t in enumerate(inp.is_tensor) if t)}
+    return [n_p + tensor_rank[i] for i in arg_leaf_ids if i in tensor_rank]
+
+
+def _argnum_positions(call: str, inp: _Inputs, argnums: tuple[int, ...]) -> list[int]:
+    n_args = len(tree.unflatten(list(range(len(inp.is_tensor))), inp.data_spec)[0])
+    out: list[int] = []
+    for num in argnums:
+        if not 0 <= num <= n_args:
+            raise ValueError(f"{call}: argnums={num} is out of range for a call with {n_args + 1} positional arguments.")
+        positions = _positions_of_argnum(inp, num)
+        leaves = inp.param_leaves + inp.data_leaves
+        for p in positions:
+            if not leaves[p].is_floating_point() and not leaves[p].is_complex():
+                raise ValueError(
+                    f"{call}: argnums={num} asks for the gradient of a {leaves[p].dtype} tensor; "
+                    "only floating-point inputs have gradients."
+                )
+        out.extend(positions)
+    return out
+
+
+def _rebuild_grad_tree(inp: _Inputs, num: int, grads: list[torch.Tensor]) -> Any:
+    if num == 0:
+        return tree.unflatten(grads, inp.param_spec)
+    args_template = tree.unflatten(list(range(len(inp.is_tensor))), inp.data_spec)[0]
+    leaf_ids, spec = tree.flatten(args_template[num - 1])
+    it = iter(grads)
+    return tree.unflatten([next(it) if inp.is_tensor[i] else None for i in leaf_ids], spec)
+
+
+def _forward_as_joint(fwd: Forward) -> Joint:
+    """The forward graph with an (unused) cotangent input, so `split` treats both alike."""
+    gm = fwd.gm
+    last = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+    with gm.graph.inserting_after(last):
+        gm.graph.placeholder("ct")
+    gm.recompile()
+    n_outs = len(gm.graph.find_nodes(op="output")[0].args[0])
+    return Joint(gm, fwd.n_params, fwd.n_data, len(fwd.consts), n_outs, [])
+
+
+def pipeline(
+    f: Callable[..., Any],
+    *,
+    stages: int | None = None,
+    microbatches: int = 1,
+    schedule: str | Schedule | Callable[..., Schedule] = "1f1b",
+    in_axes: Any = 0,
+    out_axes: Any = None,
+) -> Pipelined:
+    """Cut `f` into pipeline stages and run it over microbatches.
+
+    Args:
+        f: a pure function `f(params, *args, **kwargs)`; `params` is a pytree of tensors.
+        stages: number of stages. None: one more than the number of `stage_boundary` calls in
+            `f`. N with no boundaries in `f`: fpipe chooses N balanced stages.
+        microbatches: number of equal chunks each tensor argument is split into.
+        schedule: a registered schedule name (`fpipe.schedules.names()`), a `Schedule`, or a
+            function `(pp=, microbatches=) -> Schedule`.
+        in_axes: the axis along which each positional argument after `params` is split
+            (a prefix pytree of ints or None = passed whole to every microbatch). Keyword
+            tensors are split along dim 0; 0-dim tensors are never split.
+        out_axes: how each output is combined over microbatches: 'mean', 'sum' or an int axis to
+            concatenate along (a prefix pytree). Default: 'mean' for scalars, 0 otherwise.
+
+    Returns:
+        A `Pipelined` callable with `f`'s signature; use it under `fpipe.value_and_grad`,
+        `fpipe.grad`, or torch.func transforms.
+
+    Raises:
+        ValueError: unknown schedule or bad microbatches (at once); bad inputs (on call).
+
+    Example:
+        >>> import torch, fpipe
+        >>> def f(w, x):
+        ...     h = fpipe.stage_boundary(torch.tanh(x @ w))
+        ...     return (h @ w).pow(2).mean()
+        >>> w, x = torch.randn(4, 4), torch.randn(8, 4)
+        >>> piped = fpipe.pipeline(f, microbatches=4)
+        >>> loss, g = fpipe.value_and_grad(piped)(w, x)
+        >>> torch.allclose(g, torch.func.grad(f)(w, x), atol=1e-6)
+        True
+    """
+    call = f"pipeline({_fn_name(f)}, microbatches={microbatches})"
+    if isinstance(schedule, str) and schedule not in names():
+        raise ValueError(f"{call.rstrip(')')}, schedule={schedule!r}): unknown schedule; known schedules are {names()}.")
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"{call}: microbatches must be a positive int, got {microbatches!r}.")
+    if stages is not None and (not isinstance(stages, int) or stages < 1):
+        raise ValueError(f"pipeline({_fn_name(f)}, stages={stages!r}): stages must be a positive int or None.")
+    return Pipelined(f, stages=stages, microbatches=microbatches, schedule=schedule, in_axes=in_axes, out_axes=out_axes)
+
+
+def value_and_grad(piped: Pipelined, argnums: int | tuple[int, ...] = 0, has_aux: bool = False) -> Callable[..., Any]:
+    """`torch.func.grad_and_value`'s meaning, computed by the pipeline schedule, value first.
+
+    Returns a function `(params, *args, **kwargs) -> (value, grads)`; with `has_aux=True`, `f`
+    returns `(loss, aux)` and value is `(loss, aux)`. `grads` mirrors `argnums` (an int gives
+    one pytree, a tuple gives a tuple). Per microbatch each stage runs one forward and one
+    backward action; gradients are accumulated over microbatches.
+
+    Example:
+        >>> import torch, fpipe
+        >>> piped = fpipe.pipeline(lambda w, x: (x @ w).sum(), microbatches=2, out_axes="sum")
+        >>> loss, g = fpipe.value_and_grad(piped)(torch.ones(3), torch.ones(4, 3))
+        >>> g
+        tensor([4., 4., 4.])
+    """
+    if not isinstance(piped, Pipelined):
+        raise TypeError(f"value_and_grad(piped): expected the result of fpipe.pipeline, got {type(piped).__name__}.")
+
+    @functools.wraps(piped)
+    def vg(params: Any, *args: Any, **kwargs: Any) -> Any:
+        return piped.value_and_grad(argnums, has_aux, params, args, kwargs)
+
+    return vg
+
+
+def grad(piped: Pipelined, argnums: int | tuple[int, ...] = 0, has_aux: bool = False) -> Callable[..., Any]:
+    """Like `value_and_grad`, returning only the gradients (with `has_aux`, `(grads, aux)`)."""
+    vg = value_and_grad(piped, argnums, has_aux)
+
+    @functools.wraps(piped)
+    def g(*args: Any, **kwargs: Any) -> Any:
+        value, grads = vg(*args, **kwargs)
+        return (grads, value[1]) if has_aux else grads
+
+    return g

@@ -1,0 +1,153 @@
+"""Partition: choose stage boundaries automatically from a static cost estimate.
+
+Used when `pipeline(f, stages=N)` is given a function without `stage_boundary` calls. The forward
+graph's operations are costed (matrix products by their flops, other operations by the elements
+they write, views free), and N - 1 cuts are chosen in program order so that each stage gets about
+an equal share; near each ideal cut the position with the fewest live activation bytes wins, so
+little crosses between stages. The cuts are written into the graph as ordinary boundary markers,
+so from here on an automatic split is the same as a hand-written one.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from .marker import BOUNDARY
+from .trace import Forward
+
+__all__ = ["auto_partition", "node_cost"]
+
+aten = torch.ops.aten
+_VIEWS = {
+    "view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "slice", "select",
+    "unsqueeze", "squeeze", "alias", "detach", "as_strided", "split", "chunk", "unbind",
+    "split_with_sizes", "clone", "contiguous",
+}  # fmt: skip
+_ELEMENT_WEIGHT = 4.0  # a written element costs about as much as 4 flops of a matrix product
+
+
+def _val(n: Any) -> Any:
+    return n.meta.get("val") if isinstance(n, fx.Node) else None
+
+
+def node_cost(node: fx.Node) -> float:
+    """Estimated cost of one node, in flop-equivalents."""
+    if node.op != "call_function" or node.target is operator.getitem:
+        return 0.0
+    name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+    out = _val(node)
+    outs = out if isinstance(out, (tuple, list)) else [out]
+    numel = sum(o.numel() for o in outs if isinstance(o, torch.Tensor))
+    if name in ("mm", "bmm", "matmul"):
+        return 2.0 * numel * _val(node.args[0]).shape[-1]
+    if name in ("addmm", "baddbmm"):
+        return 2.0 * numel * _val(node.args[1]).shape[-1]
+    if name == "convolution":
+        w = _val(node.args[1])
+        return 2.0 * numel * (w.numel() // w.shape[0])
+    if "scaled_dot_product" in name:
+        q, k = _val(node.args[0]), _val(node.args[1])
+        return 4.0 * q.numel() * k.shape[-2]
+    if name in _VIEWS:
+        return 0.0
+    return _ELEMENT_WEIGHT * numel
+
+
+def _activations(nodes: list[fx.Node], n_params: int, n_data: int) -> set[fx.Node]:
+    """Nodes that depend on the data inputs (the rest can be recomputed by any stage)."""
+    phs = [n for n in nodes if n.op == "placeholder"]
+    act = set(phs[n_params : n_params + n_data])
+    for n in nodes:
+        if n.op == "call_function" and any(d in act for d in n.all_input_nodes):
+            act.add(n)
+    return act
+
+
+def auto_partition(call: str, fwd: Forward, n_stages: int) -> list[float]:
+    """Insert `n_stages - 1` boundary markers into `fwd.gm`; return each stage's estimated cost."""
+    graph = fwd.gm.graph
+    nodes = list(graph.nodes)
+    act = _activations(nodes, fwd.n_params, fwd.n_data)
+    index = {n: i for i, n in enumerate(nodes)}
+    cost = [node_cost(n) if n in act else 0.0 for n in nodes]
+    cum = [0.0]
+    for c in cost:
+        cum.append(cum[-1] + c)
+    total = cum[-1]
+    n_ops = sum(1 for n in nodes if n in act and n.op == "call_function" and cost[index[n]] > 0)
+    if n_ops < n_stages:
+        raise ValueError(
+            f"{call}: stages={n_stages} but the function has only {n_ops} operations on its data "
+            f"to split; use stages<={max(n_ops, 1)}."
+        )
+    live_bytes, cuttable = _liveness(nodes, act, index)
+    cuts: list[int] = []
+    lo = 1
+    for k in range(1, n_stages):
+        target = total * k / n_stages
+        tol = total / (4 * n_stages)
+        cands = [i for i in range(lo, len(nodes) - 1) if cuttable[i] and abs(cum[i] - target) <= tol]
+        if not cands:
+            cands = [i for i in range(lo, len(nodes) - 1) if cuttable[i]]
+            if not cands:
+                raise ValueError(f"{call}: cannot find a place to cut the function into {n_stages} stages.")
+            cands = [min(cands, key=lambda i: abs(cum[i] - target))]
+        best = min(cands, key=lambda i: (live_bytes[i], abs(cum[i] - target)))
+        cuts.append(best)
+        lo = best + 1
+    for i in reversed(cuts):
+        _insert_marker(graph, nodes, index, act, i)
+    fwd.gm.recompile()
+    bounds = [0, *cuts, len(nodes)]
+    return [cum[b] - cum[a] for a, b in zip(bounds, bounds[1:])]
+
+
+def _liveness(nodes: list[fx.Node], act: set[fx.Node], index: dict[fx.Node, int]) -> tuple[list[float], list[bool]]:
+    """Per position i (a cut before node i): bytes of activations alive across it, and whether
+    every value alive across it is a tensor (a tuple can't cross)."""
+    n = len(nodes)
+    delta = [0.0] * (n + 1)
+    bad = [0] * (n + 1)
+    for node in nodes:
+        if node not in act or node.op == "placeholder" or not node.users:
+            continue
+        last = max(index[u] for u in node.users)
+        val = _val(node)
+        start, end = index[node] + 1, last + 1
+        if isinstance(val, torch.Tensor):
+            nbytes = val.numel() * val.element_size()
+            delta[start] += nbytes
+            delta[end] -= nbytes
+        else:
+            bad[start] += 1
+            bad[end] -= 1
+    live, cuttable = [], []
+    acc, acc_bad = 0.0, 0
+    for i in range(n):
+        acc += delta[i]
+        acc_bad += bad[i]
+        live.append(acc)
+        cuttable.append(acc_bad == 0 and acc > 0 and nodes[i].op == "call_function")
+    return live, cuttable
+
+
+def _insert_marker(graph: fx.Graph, nodes: list[fx.Node], index: dict[fx.Node, int], act: set[fx.Node], i: int) -> None:
+    crossing = [
+        n
+        for n in nodes[:i]
+        if n in act and n.op != "placeholder" and any(index[u] >= i for u in n.users)
+        and isinstance(_val(n), torch.Tensor)
+    ]
+    if not crossing:
+        return
+    with graph.inserting_before(nodes[i]):
+        marker = graph.call_function(BOUNDARY, ([*crossing],))
+        outs = [graph.call_function(operator.getitem, (marker, j)) for j in range(len(crossing))]
+    for src, out in zip(crossing, outs):
+        out.meta["val"] = _val(src)
+        src.replace_all_uses_with(out, delete_user_cb=lambda u: u is not marker and index.get(u, math.inf) >= i)

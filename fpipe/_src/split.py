@@ -1,0 +1,334 @@
+"""Split: cut a joint graph at the boundary markers into per-stage programs.
+
+Every node of the joint graph gets a place, a (kind, stage) pair, kind "F" (forward) or "B"
+(backward); each place becomes one `Program`. Values that cross places are the boundary tensors,
+the skip connections and the saved activations: explicit names that the runtime owns.
+
+# NOTE [how nodes are placed]
+* The output of forward marker k (the k-th `stage_boundary` call) starts stage k + 1; the output of
+  backward marker k returns to stage k. The loss cotangent `ct` belongs to the last stage.
+* A node that depends on `ct` is backward work, placed at the *lowest* stage of its backward
+  inputs (gradients flow down). Any other node is forward work at the *highest* stage of its inputs.
+* A node that depends only on inputs is "free" and placed by its readers. One that depends only
+  on parameters and constants (a weight's transpose, `arange`) is copied into every program that
+  reads it, so no stage waits for another to compute it (recomputing a view costs nothing).
+  One that reads the data (the embedding lookup, a slice of the targets) runs once, in the
+  earliest program that reads it -- for the targets, on the last stage. What feeds boundary k
+  runs before it, on stage k. A node that mutates its inputs is never copied.
+* A node nobody reads (an in-place update of a BatchNorm counter) stays with the forward work
+  that follows it in program order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections import defaultdict
+from typing import Any, Iterable
+
+import torch
+import torch.fx as fx
+
+from .marker import BOUNDARY, BOUNDARY_BWD
+from .trace import Joint
+
+__all__ = ["Place", "Program", "Staged", "split"]
+
+Place = tuple[str, int]  # ("F" | "B", stage)
+_ORDER = {"F": 0, "B": 1}
+
+
+def _seq(p: Place, n_stages: int) -> int:
+    """Position of a place in one microbatch's order: F0 < F1 < ... < B(n-1) < ... < B0."""
+    return p[1] if p[0] == "F" else 2 * n_stages - 1 - p[1]
+
+
+@dataclasses.dataclass
+class Program:
+    """One stage's piece of the joint graph: `gm(*inputs) -> outputs` (both lists of names)."""
+
+    place: Place
+    gm: fx.GraphModule
+    inputs: list[str]
+    outputs: list[str]
+
+    @property
+    def n_nodes(self) -> int:
+        return sum(1 for n in self.gm.graph.nodes if n.op == "call_function")
+
+
+@dataclasses.dataclass
+class Staged:
+    """A joint graph cut into programs, with the bookkeeping the runtime needs."""
+
+    n_stages: int
+    programs: dict[Place, Program]
+    param_inputs: list[str]  # placeholder names, in flat order
+    data_inputs: list[str]
+    const_inputs: list[str]
+    ct_input: str
+    out_names: list[str]  # joint outputs: values first, then gradients
+    n_outs: int
+    producer: dict[str, Place]  # which program computes each non-input value
+    consumers: dict[str, list[Place]]  # which programs read each value
+    meta: dict[str, tuple[torch.Size, torch.dtype]]
+
+    def place_inputs(self, place: Place) -> list[str]:
+        return self.programs[place].inputs if place in self.programs else []
+
+    def deps(self, place: Place) -> set[Place]:
+        """The programs (same microbatch) whose outputs `place` reads."""
+        return {self.producer[v] for v in self.place_inputs(place) if v in self.producer}
+
+    def describe(self) -> str:
+        lines = []
+        for place in sorted(self.programs, key=lambda p: (_ORDER[p[0]], p[1])):
+            prog = self.programs[place]
+            lines.append(
+                f"{place[0]}{place[1]}: {prog.n_nodes} ops, {len(prog.inputs)} inputs, {len(prog.outputs)} outputs"
+            )
+        return "\n".join(lines)
+
+
+def _marker_getitem(node: fx.Node) -> tuple[str, int, fx.Node] | None:
+    """For `getitem(marker, i)`: (kind, boundary node, source of element i)."""
+    if node.op != "call_function" or node.target is not operator.getitem:
+        return None
+    parent = node.args[0]
+    if not isinstance(parent, fx.Node) or parent.target not in (BOUNDARY, BOUNDARY_BWD):
+        return None
+    kind = "F" if parent.target is BOUNDARY else "B"
+    src = parent.args[0][node.args[1]]  # type: ignore[index]
+    return kind, 0, src
+
+
+def _is_mutating(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return bool(schema is not None and schema.is_mutable)
+
+
+class _Placer:
+    def __init__(self, call: str, joint: Joint, n_stages_hint: int | None) -> None:
+        self.call = call
+        self.graph = joint.gm.graph
+        self.nodes = list(self.graph.nodes)
+        self.markers = [n for n in self.nodes if n.target is BOUNDARY]
+        self.bwd_markers = [n for n in self.nodes if n.target is BOUNDARY_BWD]
+        self.n_stages = len(self.markers) + 1
+        self.index = {n: i for i, n in enumerate(self.nodes)}
+        self.place: dict[fx.Node, Place] = {}
+        self.free_places: dict[fx.Node, list[Place]] = {}
+        self.output = self.nodes[-1]
+        self.src: dict[fx.Node, fx.Node] = {}  # marker getitem -> its source value
+        self._number_markers()
+
+    def _number_markers(self) -> None:
+        self.fwd_index = {m: k for k, m in enumerate(self.markers)}
+        # Backward marker k is the transpose of forward marker k; backward runs in reverse order.
+        self.bwd_index = {m: len(self.markers) - 1 - k for k, m in enumerate(self.bwd_markers)}
+        if len(self.bwd_markers) > len(self.markers):
+            raise AssertionError("more backward than forward markers")
+
+    def deps(self, node: fx.Node) -> list[fx.Node]:
+        if node in self.src:
+            return [self.src[node]]
+        return [d for d in node.all_input_nodes if d.target not in (BOUNDARY, BOUNDARY_BWD)]
+
+    def run(self, joint: Joint) -> None:
+        phs = [n for n in self.nodes if n.op == "placeholder"]
+        ct = phs[-1]
+        free: list[fx.Node] = []
+        data = set(phs[joint.n_params : joint.n_params + joint.n_data])
+        self.data_dep = data
+        for node in self.nodes:
+            if any(d in data for d in self.deps(node)) if node.op == "call_function" else False:
+                data.add(node)
+            if node.op == "output" or node.target in (BOUNDARY, BOUNDARY_BWD):
+                continue
+            if node is ct:
+                self.place[node] = ("B", self.n_stages - 1)
+                continue
+            if node.op == "placeholder":
+                free.append(node)
+                continue
+            mg = _marker_getitem(node)
+            if mg is not None:
+                self._place_marker_output(node, mg)
+                continue
+            ins = [self.place.get(d) for d in self.deps(node)]
+            bwd = [p[1] for p in ins if p is not None and p[0] == "B"]
+            fwd = [p[1] for p in ins if p is not None and p[0] == "F"]
+            if bwd:
+                self.place[node] = ("B", min(bwd))
+            elif fwd:
+                self.place[node] = ("F", max(fwd))
+            else:
+                free.append(node)
+        self._place_free(free)
+
+    def _place_marker_output(self, node: fx.Node, mg: tuple[str, int, fx.Node]) -> None:
+        kind, _, src = mg
+        parent = node.args[0]
+        self.src[node] = src
+        if kind == "F":
+            k = self.fwd_index[parent]  # type: ignore[index]
+            src_place = self.place.get(src)
+            if src_place is not None and src_place[1] > k:
+                raise ValueError(
+                    f"{self.call}: stage_boundary call {k} receives a value computed in stage "
+                    f"{src_place[1]}, after boundary {src_place[1] - 1}; boundaries must be called "
+                    "in the order the function computes them."
+                )
+            self.place[node] = ("F", k + 1)
+        else:
+            self.place[node] = ("B", self.bwd_index[parent])  # type: ignore[index]
+
+    def _consumer_places(self, node: fx.Node) -> list[Place]:
+        out: list[Place] = []
+        for user in node.users:
+            if user is self.output:
+                out.append(self._output_place(node))
+            elif user.target in (BOUNDARY, BOUNDARY_BWD):
+                out.extend(self._consumer_places_of_marker_input(user, node))
+            elif user in self.place:
+                out.append(self.place[user])
+            else:
+                out.extend(self.free_places.get(user, []))
+        return out
+
+    def _consumer_places_of_marker_input(self, marker: fx.Node, node: fx.Node) -> list[Place]:
+        # What feeds boundary k is computed before it: forward on stage k, backward on stage k + 1.
+        if marker.target is BOUNDARY:
+            return [("F", self.fwd_index[marker])]
+        return [("B", self.bwd_index[marker] + 1)]
+
+    def _output_place(self, node: fx.Node) -> Place:
+        outs = self.output.args[0]
+        positions = [i for i, v in enumerate(outs) if v is node]  # type: ignore[union-attr, arg-type]
+        is_value = any(i < self.n_outs for i in positions)
+        return ("F", self.n_stages - 1) if is_value else ("B", 0)
+
+    def _place_free(self, free: list[fx.Node]) -> None:
+        for node in reversed(free):
+            if node.op == "placeholder":
+                continue
+            places = sorted(set(self._consumer_places(node)), key=lambda p: _seq(p, self.n_stages))
+            if not places:
+                self.place[node] = self._following_forward(node)
+            elif len(places) == 1 or _is_mutating(node) or node in self.data_dep:
+                self.place[node] = places[0]
+            else:
+                self.free_places[node] = places
+
+    def _following_forward(self, node: fx.Node) -> Place:
+        for later in self.nodes[self.index[node] + 1 :]:
+            p = self.place.get(later)
+            if p is not None and p[0] == "F":
+                return p
+        return ("F", 0)
+
+    def places_of(self, node: fx.Node) -> list[Place]:
+        if node in self.place:
+            return [self.place[node]]
+        return self.free_places.get(node, [])
+
+
+def split(call: str, joint: Joint, stages: int | None) -> Staged:
+    """Cut `joint` at its markers into forward and backward programs per stage."""
+    placer = _Placer(call, joint, stages)
+    placer.n_outs = joint.n_outs  # type: ignore[attr-defined]
+    placer.run(joint)
+    return _build(placer, joint)
+
+
+def _build(pl: _Placer, joint: Joint) -> Staged:
+    phs = [n for n in pl.nodes if n.op == "placeholder"]
+    inputs = {n.name for n in phs}
+    by_place: dict[Place, list[fx.Node]] = defaultdict(list)
+    for node in pl.nodes:
+        if node.op in ("placeholder", "output") or node.target in (BOUNDARY, BOUNDARY_BWD):
+            continue
+        for p in pl.places_of(node):
+            by_place[p].append(node)
+
+    # Which places read each value; a free node copied into a place is local there.
+    consumers: dict[str, list[Place]] = defaultdict(list)
+    producer: dict[str, Place] = {}
+    for node in pl.nodes:
+        if node in pl.place and node.op != "placeholder":
+            producer[node.name] = pl.place[node]
+    for place, nodes in by_place.items():
+        local = {n.name for n in nodes}
+        for n in nodes:
+            for d in pl.deps(n):
+                if d.name not in local and place not in consumers[d.name]:
+                    consumers[d.name].append(place)
+    out_vals = list(pl.output.args[0])  # type: ignore[arg-type]
+    for v in out_vals:
+        if isinstance(v, fx.Node) and v.name not in producer and v.name not in inputs:
+            # a free value that is also returned: computed by its first place
+            producer[v.name] = pl.places_of(v)[0]
+
+    programs = {}
+    for place, nodes in by_place.items():
+        programs[place] = _program(pl, place, nodes, consumers, producer, out_vals)
+    meta = {}
+    for node in pl.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            meta[node.name] = (val.shape, val.dtype)
+    n_p, n_d, n_c = joint.n_params, joint.n_data, joint.n_consts
+    names = [n.name for n in phs]
+    return Staged(
+        n_stages=pl.n_stages,
+        programs=programs,
+        param_inputs=names[:n_p],
+        data_inputs=names[n_p : n_p + n_d],
+        const_inputs=names[n_p + n_d : n_p + n_d + n_c],
+        ct_input=names[-1],
+        out_names=[v.name if isinstance(v, fx.Node) else "" for v in out_vals],
+        n_outs=joint.n_outs,
+        producer=producer,
+        consumers=dict(consumers),
+        meta=meta,
+    )
+
+
+def _program(
+    pl: _Placer,
+    place: Place,
+    nodes: list[fx.Node],
+    consumers: dict[str, list[Place]],
+    producer: dict[str, Place],
+    out_vals: Iterable[Any],
+) -> Program:
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    inputs: list[str] = []
+
+    def arg(d: fx.Node) -> fx.Node:
+        if d in env:
+            return env[d]
+        ph = graph.placeholder(d.name)
+        ph.meta.update(d.meta)
+        inputs.append(d.name)
+        env[d] = ph
+        return ph
+
+    for node in nodes:
+        if node in pl.src:
+            env[node] = arg(pl.src[node])
+            continue
+        env[node] = graph.node_copy(node, arg)
+    returned = {v.name for v in out_vals if isinstance(v, fx.Node)}
+    outputs = [
+        n.name
+        for n in nodes
+        if producer.get(n.name) == place
+        and (any(c != place for c in consumers.get(n.name, [])) or n.name in returned)
+    ]
+    by_name = {n.name: n for n in nodes}
+    graph.output([env[by_name[o]] for o in outputs])
+    graph.eliminate_dead_code(is_impure_node=lambda n: n.op in ("placeholder", "output") or _is_mutating(n))
+    gm = fx.GraphModule({}, graph)
+    return Program(place, gm, inputs, outputs)

@@ -1,0 +1,192 @@
+"""Trace: a user function, once per input signature, into aten graphs on fake tensors.
+
+Two traces, both on fake tensors (no parameter or activation memory):
+
+1. `trace_forward` records `f` on one microbatch as a flat forward graph. Tensors the function
+   captures (module buffers, masks) become explicit inputs (`consts`), so that in-place buffer
+   updates (BatchNorm statistics) are mutations of inputs, which torch.func allows, and so that the
+   runtime hands the real tensors to whichever stage uses them.
+2. `trace_joint` replays that graph under `torch.func.grad_and_value` and records the joint
+   forward + backward graph. The cotangent of the loss is an input (`ct`): every node that depends
+   on it is backward work, which is how `split.py` tells the two apart.
+
+# NOTE [tracing is specialisation]
+As with `jax.jit`, Python control flow runs once at trace time. A branch on a tensor's *value*
+cannot be traced; `_raise_data_dependent` turns torch's internal error into one that names the
+user's line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import linecache
+import os
+import sys
+import traceback
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from . import tree
+from .marker import BOUNDARY, boundary_apply
+
+__all__ = ["Forward", "Joint", "trace_forward", "trace_joint", "fake_like"]
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_FPIPE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclasses.dataclass
+class Forward:
+    """A forward graph over flat inputs `[*params, *data, *consts]`, returning flat outputs."""
+
+    gm: fx.GraphModule
+    n_params: int
+    n_data: int
+    consts: list[torch.Tensor]
+    out_spec: Any
+
+
+@dataclasses.dataclass
+class Joint:
+    """The joint graph over `[*params, *data, *consts, ct]` returning `[*outs, *grads]`."""
+
+    gm: fx.GraphModule
+    n_params: int
+    n_data: int
+    n_consts: int
+    n_outs: int
+    diff: list[int]  # flat input positions whose gradients are returned, in order
+
+
+def fake_like(mode: FakeTensorMode, t: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+    """A fake tensor with `t`'s metadata; a meta tensor is placed on `device` (the data's)."""
+    dev = device if (t.device.type == "meta" and device is not None) else t.device
+    with mode:
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=dev, requires_grad=False)
+
+
+def _user_frame(tb: Any) -> traceback.FrameSummary | None:
+    frames = [f for f in traceback.extract_tb(tb) if not f.filename.startswith((_TORCH_DIR, _FPIPE_DIR))]
+    frames = [f for f in frames if "/torch/" not in f.filename and "/functorch/" not in f.filename]
+    return frames[-1] if frames else None
+
+
+def _raise_data_dependent(call: str, err: BaseException) -> None:
+    frame = _user_frame(err.__traceback__)
+    where = "an unknown line"
+    if frame is not None:
+        code = (frame.line or linecache.getline(frame.filename, frame.lineno or 0)).strip()
+        where = f"{frame.filename}:{frame.lineno} (`{code}`)"
+    raise ValueError(
+        f"{call}: the function depends on the value of a tensor at {where}. fpipe traces the "
+        "function once per input signature (shapes, dtypes, structure), like jax.jit, so Python "
+        "control flow and shapes must not depend on tensor values. Use torch.where or masking "
+        "instead of the branch, or pass the deciding value as a Python number (it then becomes "
+        "part of the signature)."
+    ) from err
+
+
+def _trace(call: str, fn: Callable[..., Any], fakes: Sequence[torch.Tensor]) -> fx.GraphModule:
+    try:
+        return make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*fakes)
+    except (DataDependentOutputException, DynamicOutputShapeException) as err:
+        _raise_data_dependent(call, err)
+        raise  # unreachable
+
+
+def _lift_constants(gm: fx.GraphModule) -> list[torch.Tensor]:
+    """Turn captured tensors (`get_attr` nodes) into trailing placeholders; return the tensors."""
+    consts: list[torch.Tensor] = []
+    graph = gm.graph
+    last_ph = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    for node in list(graph.nodes):
+        if node.op != "get_attr":
+            continue
+        value = getattr(gm, node.target)  # type: ignore[arg-type]
+        if not isinstance(value, torch.Tensor):
+            continue
+        with graph.inserting_after(last_ph):
+            ph = graph.placeholder(f"const_{len(consts)}")
+        last_ph = ph
+        ph.meta.update(node.meta)
+        node.replace_all_uses_with(ph)
+        graph.erase_node(node)
+        delattr(gm, node.target)  # type: ignore[arg-type]
+        consts.append(value)
+    gm.recompile()
+    return consts
+
+
+def trace_forward(
+    call: str,
+    f: Callable[..., Any],
+    rebuild: Callable[[list[torch.Tensor]], tuple[Any, tuple[Any, ...], dict[str, Any]]],
+    fakes: Sequence[torch.Tensor],
+    n_params: int,
+) -> Forward:
+    """Trace `f(*rebuild(leaves))` into a flat forward graph."""
+    out_spec: list[Any] = []
+
+    def flat_f(*leaves: torch.Tensor) -> list[torch.Tensor]:
+        params, args, kwargs = rebuild(list(leaves))
+        out = f(params, *args, **kwargs)
+        out_leaves, spec = tree.flatten(out)
+        bad = [type(v).__name__ for v in out_leaves if not isinstance(v, torch.Tensor)]
+        if bad:
+            raise TypeError(
+                f"{call}: the function must return tensors (in any pytree), but its output "
+                f"{spec} has leaves of type {bad}; return tensors only."
+            )
+        out_spec.append(spec)
+        return out_leaves
+
+    gm = _trace(call, flat_f, fakes)
+    consts = _lift_constants(gm)
+    return Forward(gm, n_params, len(fakes) - n_params, consts, out_spec[0])
+
+
+class _Replay(fx.Interpreter):
+    """Re-run a forward graph; boundary nodes become the differentiable marker again."""
+
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        if target is BOUNDARY:
+            return boundary_apply(list(args[0]))
+        return super().call_function(target, args, kwargs)
+
+
+def trace_joint(call: str, fwd: Forward, fakes: Sequence[torch.Tensor], diff: list[int], has_aux: bool) -> Joint:
+    """Trace value-and-grad of output 0 of `fwd` w.r.t. the flat inputs at positions `diff`.
+
+    `fakes` are `[*params, *data, *consts, ct]`; the scalar `ct` scales the loss, so the graph
+    computes the vector-Jacobian product the runtime asks for (1/M for a mean over microbatches).
+    """
+    diff_set = set(diff)
+
+    def joint(*leaves: torch.Tensor) -> list[torch.Tensor]:
+        *inputs, ct = leaves
+
+        def inner(primals: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+            it = iter(primals)
+            full = [next(it) if i in diff_set else x for i, x in enumerate(inputs)]
+            outs = _Replay(fwd.gm).run(*full)
+            return (outs[0] * ct).sum(), list(outs)
+
+        primals = [inputs[i] for i in diff]
+        grads, (_, outs) = torch.func.grad_and_value(inner, has_aux=True)(primals)
+        return [*outs, *grads]
+
+    gm = _trace(call, joint, fakes)
+    n_outs = len(fwd.gm.graph.find_nodes(op="output")[0].args[0])
+    return Joint(gm, fwd.n_params, fwd.n_data, len(fwd.consts), n_outs, list(diff))
+
+
+def make_fakes(tensors: Sequence[torch.Tensor], data_device: torch.device | None) -> tuple[FakeTensorMode, list[torch.Tensor]]:
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    return mode, [fake_like(mode, t, data_device) for t in tensors]
+
+
+del sys

@@ -199,7 +199,7 @@ class Pipelined:
         elif callable(s):
             sched = s(pp=n_stages, microbatches=self.microbatches)
         else:
-            sched = build(s, pp=n_stages, microbatches=self.microbatches)
+            sched = build(s, microbatches=self.microbatches, stages=n_stages)
         if sched.n_stages != n_stages or sched.n_microbatches != self.microbatches:
             raise ValueError(
                 f"{self._call_str()}: the schedule covers {sched.n_stages} stages and "

@@ -98,10 +98,17 @@ def names() -> list[str]:
     return sorted(_BUILDERS)
 
 
-def build(name: str, *, pp: int, microbatches: int, stages: int | None = None) -> Schedule:
-    """Build the registered schedule `name` for `pp` ranks and `microbatches` microbatches."""
+def build(name: str, *, pp: int | None = None, microbatches: int, stages: int | None = None) -> Schedule:
+    """Build the registered schedule `name` for `pp` ranks and `microbatches` microbatches.
+
+    With `pp=None`, `stages` decides: one stage per rank (local runs use this).
+    """
     if name not in _BUILDERS:
         raise ValueError(f"schedules.build({name!r}): unknown schedule; known schedules are {names()}.")
+    if pp is None:
+        if stages is None:
+            raise ValueError(f"schedules.build({name!r}): give pp, stages or both.")
+        pp = stages
     if pp < 1 or microbatches < 1:
         raise ValueError(f"schedules.build({name!r}, pp={pp}, microbatches={microbatches}): both must be >= 1.")
     return _BUILDERS[name](pp, microbatches, pp if stages is None else stages)

@@ -7,6 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .trace import note_state
+
 __all__ = ["functionalize", "Functionalized"]
 
 
@@ -26,6 +28,7 @@ class Functionalized:
 
     def __call__(self, params: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
         self._check_keys(params)
+        note_state(self.module.buffers())
         return torch.func.functional_call(self.module, params, args, kwargs, tie_weights=True)
 
     def _check_keys(self, params: Any) -> None:

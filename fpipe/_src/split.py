@@ -165,6 +165,20 @@ class _Placer:
             else:
                 free.append(node)
         self._place_free(free)
+        self._colocate_getitems()
+
+    def _colocate_getitems(self) -> None:
+        """An element of a multi-output node is taken where the node runs: tuples never cross."""
+        for node in self.nodes:
+            if node.target is not operator.getitem or node in self.src:
+                continue
+            parent = node.args[0]
+            if parent in self.place:
+                self.place[node] = self.place[parent]  # type: ignore[index]
+                self.free_places.pop(node, None)
+            elif parent in self.free_places:
+                self.free_places[node] = self.free_places[parent]  # type: ignore[index]
+                self.place.pop(node, None)
 
     def _place_marker_output(self, node: fx.Node, mg: tuple[str, int, fx.Node]) -> None:
         kind, _, src = mg

@@ -23,12 +23,18 @@ import linecache
 import os
 import sys
 import traceback
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+)
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._python_dispatch import _disable_current_modes
 
 from . import tree
 from .marker import BOUNDARY, boundary_apply
@@ -90,12 +96,36 @@ def _raise_data_dependent(call: str, err: BaseException) -> None:
     ) from err
 
 
+_SNAPSHOTS: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+
+def note_state(tensors: Iterable[torch.Tensor]) -> None:
+    """Called by `Functionalized` while a trace runs: remember scalar buffers to restore after.
+
+    Fake tracing treats 0-dim CPU tensors as real values, so an in-place update of one (BatchNorm's
+    `num_batches_tracked += 1`) would really happen at trace time; the trace puts it back.
+    """
+    if _SNAPSHOTS is None:
+        return
+    with _disable_current_modes():  # a real copy, not a traced one
+        for t in tensors:
+            if t.dim() == 0 and t.device.type != "meta" and not isinstance(t, FakeTensor):
+                _SNAPSHOTS.append((t, t.detach().clone()))
+
+
 def _trace(call: str, fn: Callable[..., Any], fakes: Sequence[torch.Tensor]) -> fx.GraphModule:
+    global _SNAPSHOTS
+    outer, _SNAPSHOTS = _SNAPSHOTS, []
     try:
         return make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*fakes)
     except (DataDependentOutputException, DynamicOutputShapeException) as err:
         _raise_data_dependent(call, err)
         raise  # unreachable
+    finally:
+        with torch.no_grad():
+            for t, saved in reversed(_SNAPSHOTS):
+                t.copy_(saved)
+        _SNAPSHOTS = outer
 
 
 def _lift_constants(gm: fx.GraphModule) -> list[torch.Tensor]:
@@ -103,20 +133,24 @@ def _lift_constants(gm: fx.GraphModule) -> list[torch.Tensor]:
     consts: list[torch.Tensor] = []
     graph = gm.graph
     last_ph = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    lifted: dict[int, fx.Node] = {}  # id of a captured tensor -> its placeholder
     for node in list(graph.nodes):
-        if node.op != "get_attr":
+        if node.op != "get_attr" or not isinstance(getattr(gm, node.target), torch.Tensor):  # type: ignore[arg-type]
             continue
         value = getattr(gm, node.target)  # type: ignore[arg-type]
-        if not isinstance(value, torch.Tensor):
-            continue
-        with graph.inserting_after(last_ph):
-            ph = graph.placeholder(f"const_{len(consts)}")
-        last_ph = ph
-        ph.meta.update(node.meta)
-        node.replace_all_uses_with(ph)
+        if id(value) not in lifted:
+            with graph.inserting_after(last_ph):
+                last_ph = lifted[id(value)] = graph.placeholder(f"const_{len(consts)}")
+            last_ph.meta.update(node.meta)
+            consts.append(value)
+        node.replace_all_uses_with(lifted[id(value)])
         graph.erase_node(node)
-        delattr(gm, node.target)  # type: ignore[arg-type]
-        consts.append(value)
+    for name in [n for n, _ in gm.named_buffers()] + [n for n, _ in gm.named_parameters()]:
+        if "." not in name:
+            delattr(gm, name)
+    for name in list(vars(gm)):
+        if name.startswith("_tensor_constant"):
+            delattr(gm, name)
     gm.recompile()
     return consts
 
@@ -169,14 +203,17 @@ def trace_joint(call: str, fwd: Forward, fakes: Sequence[torch.Tensor], diff: li
     def joint(*leaves: torch.Tensor) -> list[torch.Tensor]:
         *inputs, ct = leaves
 
-        def inner(primals: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-            it = iter(primals)
-            full = [next(it) if i in diff_set else x for i, x in enumerate(inputs)]
+        # Non-differentiated inputs go through grad_and_value as an argument, not a closure:
+        # torch.func forbids mutating captured tensors (BatchNorm statistics are mutated).
+        def inner(primals: list[torch.Tensor], rest: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+            p_it, r_it = iter(primals), iter(rest)
+            full = [next(p_it) if i in diff_set else next(r_it) for i in range(len(inputs))]
             outs = _Replay(fwd.gm).run(*full)
             return (outs[0] * ct).sum(), list(outs)
 
         primals = [inputs[i] for i in diff]
-        grads, (_, outs) = torch.func.grad_and_value(inner, has_aux=True)(primals)
+        rest = [x for i, x in enumerate(inputs) if i not in diff_set]
+        grads, (_, outs) = torch.func.grad_and_value(inner, has_aux=True)(primals, rest)
         return [*outs, *grads]
 
     gm = _trace(call, joint, fakes)

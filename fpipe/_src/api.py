@@ -11,6 +11,7 @@ import functools
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
 from . import tree
 from .partition import auto_partition
@@ -18,7 +19,9 @@ from .run import LocalRunner
 from .schedule import Schedule, build, names
 from .split import Staged, split
 from .trace import Forward, Joint, make_fakes, trace_forward, trace_joint
+from .dist import DEFAULT_TIMEOUT, PeerFailure, PPGroup, pp_group
 from .marker import BOUNDARY
+from .run_dist import DistRunner
 
 __all__ = ["pipeline", "value_and_grad", "grad", "Pipelined"]
 
@@ -78,8 +81,13 @@ class Pipelined:
         schedule: str | Schedule | Callable[..., Schedule],
         in_axes: Any,
         out_axes: Any,
+        mesh: Any = None,
+        timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
         self.f = f
+        self.mesh = mesh
+        self.timeout = timeout
+        self._pg: PPGroup | None | bool = False  # False: not looked up yet
         self.stages = stages
         self.microbatches = microbatches
         self.schedule = schedule
@@ -87,6 +95,13 @@ class Pipelined:
         self.out_axes = out_axes
         self._cache: dict[tuple[Any, ...], _Compiled] = {}
         functools.update_wrapper(self, f, updated=())
+
+    @property
+    def pg(self) -> PPGroup | None:
+        """The pipeline process group (None when every stage runs in this process)."""
+        if self._pg is False:
+            self._pg = pp_group(self.mesh, self.timeout)
+        return self._pg  # type: ignore[return-value]
 
     def _call_str(self) -> str:
         parts = [_fn_name(self.f)]
@@ -175,11 +190,16 @@ class Pipelined:
             joint = trace_joint(call, fwd, [*fakes, *const_fakes, ct], diff, has_aux)
         staged = split(call, joint, self.stages)
         sched = self._schedule(staged.n_stages)
-        return _Compiled(staged, LocalRunner(staged, sched), fwd.consts, fwd.out_spec, reductions, diff, stage_costs)
+        pg = self.pg
+        runner: Any = LocalRunner(staged, sched) if pg is None else DistRunner(staged, sched, pg, self.timeout)
+        return _Compiled(staged, runner, fwd.consts, fwd.out_spec, reductions, diff, stage_costs)
 
     def _cut(self, fwd: Forward) -> list[float] | None:
         n_markers = len(fwd.gm.graph.find_nodes(op="call_function", target=BOUNDARY))
-        if self.stages is None or (n_markers and self.stages == n_markers + 1):
+        stages = self.stages
+        if stages is None and not n_markers and self.pg is not None:
+            stages = self.pg.size  # one stage per rank, chosen automatically
+        if stages is None or (n_markers and stages == n_markers + 1):
             return None
         if n_markers:
             raise ValueError(
@@ -188,9 +208,9 @@ class Pipelined:
                 f"{n_markers + 1} (or stages=None to follow the boundaries), or remove the "
                 "stage_boundary calls to let fpipe choose the cuts."
             )
-        if self.stages == 1:
+        if stages == 1:
             return None
-        return auto_partition(self._call_str(), fwd, self.stages)
+        return auto_partition(self._call_str(), fwd, stages)
 
     def _schedule(self, n_stages: int) -> Schedule:
         s = self.schedule
@@ -199,7 +219,13 @@ class Pipelined:
         elif callable(s):
             sched = s(pp=n_stages, microbatches=self.microbatches)
         else:
-            sched = build(s, microbatches=self.microbatches, stages=n_stages)
+            pp = self.pg.size if self.pg is not None else None
+            sched = build(s, pp=pp, microbatches=self.microbatches, stages=n_stages)
+        if self.pg is not None and sched.pp != self.pg.size:
+            raise ValueError(
+                f"{self._call_str()}: the schedule has {sched.pp} ranks but the pipeline group has "
+                f"{self.pg.size}; launch with --nproc-per-node {sched.pp} or change the stages."
+            )
         if sched.n_stages != n_stages or sched.n_microbatches != self.microbatches:
             raise ValueError(
                 f"{self._call_str()}: the schedule covers {sched.n_stages} stages and "
@@ -261,35 +287,93 @@ class Pipelined:
         return c.runner.run(glob, data)
 
     def __call__(self, params: Any, *args: Any, **kwargs: Any) -> Any:
+        return self._guarded(self._forward, params, args, kwargs)
+
+    def _forward(self, params: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         inp, mbs, c = self._get(params, args, kwargs, None, False)
         results = self._execute(inp, mbs, c, None)
-        outs = _reduce([r[: c.staged.n_outs] for r in results], c.reductions)
+        outs = self._values(c, results)
         return tree.unflatten(outs, c.out_spec)
 
     def value_and_grad(self, argnums: int | tuple[int, ...], has_aux: bool, params: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return self._guarded(self._value_and_grad, params, args, kwargs, argnums, has_aux)
+
+    def _value_and_grad(self, params: Any, args: tuple[Any, ...], kwargs: dict[str, Any], argnums: int | tuple[int, ...], has_aux: bool) -> Any:
         nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
         inp, mbs, c = self._get(params, args, kwargs, nums, has_aux)
-        m = self.microbatches
-        ct = 1.0 / m if c.reductions[0] == "mean" else 1.0
+        ct = 1.0 / self.microbatches if c.reductions[0] == "mean" else 1.0
         results = self._execute(inp, mbs, c, ct)
-        n_outs = c.staged.n_outs
-        outs = _reduce([r[:n_outs] for r in results], c.reductions)
-        value = tree.unflatten(outs, c.out_spec)
-        grads = self._gather_grads(inp, c, [r[n_outs:] for r in results], nums)
+        value = tree.unflatten(self._values(c, results), c.out_spec)
+        grads = self._gather_grads(inp, c, [r[c.staged.n_outs :] for r in results], nums)
         return value, (grads[0] if isinstance(argnums, int) else tuple(grads))
 
-    def _gather_grads(self, inp: _Inputs, c: _Compiled, per_mb: list[list[Any]], nums: tuple[int, ...]) -> list[Any]:
-        n_p = len(inp.param_leaves)
-        flat: dict[int, torch.Tensor] = {}
-        for j, pos in enumerate(c.diff):
-            gs = [r[j] for r in per_mb]
-            axis = None if pos < n_p else inp.axes[pos - n_p]
-            flat[pos] = _sum(gs) if axis is None else torch.cat(gs, dim=axis)
+    def _guarded(self, fn: Callable[..., Any], params: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *rest: Any) -> Any:
+        """Run `fn`; in a process group, a failure here is reported so every rank stops."""
+        try:
+            return fn(params, args, kwargs, *rest)
+        except (PeerFailure, TimeoutError):
+            raise
+        except BaseException as err:
+            pg = self.pg
+            if pg is not None:
+                pg.report_failure(f"rank {pg.rank} failed: {type(err).__name__}: {err}")
+            raise
+
+    def _values(self, c: _Compiled, results: list[list[Any]]) -> list[torch.Tensor]:
+        """Reduce each value output over microbatches; in a group, broadcast it from its rank."""
+        n = c.staged.n_outs
+        pg = self.pg
+        if pg is None:
+            return _reduce([r[:n] for r in results], c.reductions)
         out = []
-        for num in nums:
-            positions = _positions_of_argnum(inp, num)
-            out.append(_rebuild_grad_tree(inp, num, [flat[p] for p in positions]))
+        for i in range(n):
+            src = c.runner.rank_of(c.staged.producer[c.staged.out_names[i]])
+            if src == pg.rank:
+                val = _reduce([[r[i]] for r in results], [c.reductions[i]])[0].contiguous()
+            else:
+                val = torch.empty(_reduced_shape(c, i, self.microbatches), dtype=c.staged.meta[c.staged.out_names[i]][1], device=pg.device)
+            dist.broadcast(val, pg.global_rank(src), group=pg.group)
+            out.append(val)
         return out
+
+    def _gather_grads(self, inp: _Inputs, c: _Compiled, per_mb: list[list[Any]], nums: tuple[int, ...]) -> list[Any]:
+        flat = {pos: self._grad_of(inp, c, per_mb, j, pos) for j, pos in enumerate(c.diff)}
+        return [_rebuild_grad_tree(inp, num, [flat[p] for p in _positions_of_argnum(inp, num)]) for num in nums]
+
+    def _grad_of(self, inp: _Inputs, c: _Compiled, per_mb: list[list[Any]], j: int, pos: int) -> torch.Tensor | None:
+        """Combine one input's gradient over microbatches. In a group: a parameter's gradient is
+        returned on the ranks that use it (broadcast when several do, e.g. a tied embedding); a
+        data argument's gradient on every rank."""
+        n_p = len(inp.param_leaves)
+        axis = None if pos < n_p else inp.axes[pos - n_p]
+        st, pg = c.staged, self.pg
+        if pg is None:
+            gs = [r[j] for r in per_mb]
+            return _sum(gs) if axis is None else torch.cat(gs, dim=axis)
+        name = st.out_names[st.n_outs + j]
+        src = c.runner.rank_of(st.producer[name])
+        users = {c.runner.rank_of(p) for p in st.consumers.get((st.param_inputs + st.data_inputs)[pos], [])}
+        g = None
+        if src == pg.rank:
+            gs = [r[j] for r in per_mb]
+            g = (_sum(gs) if axis is None else torch.cat(gs, dim=axis)).contiguous()
+        if pos < n_p and len(users | {src}) == 1:
+            return g
+        if g is None:
+            shape, dtype = st.meta[name]
+            if axis is not None:
+                shape = torch.Size([d * self.microbatches if k == axis else d for k, d in enumerate(shape)])
+            g = torch.empty(shape, dtype=dtype, device=pg.device)
+        dist.broadcast(g, pg.global_rank(src), group=pg.group)
+        return g if (pos >= n_p or pg.rank in users) else None
+
+
+def _reduced_shape(c: _Compiled, i: int, m: int) -> torch.Size:
+    shape, _ = c.staged.meta[c.staged.out_names[i]]
+    r = c.reductions[i]
+    if isinstance(r, int):
+        return torch.Size([d * m if k == r else d for k, d in enumerate(shape)])
+    return shape
 
 
 def trace_fake(mode: Any, t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
@@ -363,7 +447,8 @@ def _argnum_positions(call: str, inp: _Inputs, argnums: tuple[int, ...]) -> list
 
 def _rebuild_grad_tree(inp: _Inputs, num: int, grads: list[torch.Tensor]) -> Any:
     if num == 0:
-        return tree.unflatten(grads, inp.param_spec)
+        out = tree.unflatten(grads, inp.param_spec)
+        return {k: v for k, v in out.items() if v is not None} if isinstance(out, dict) else out
     args_template = tree.unflatten(list(range(len(inp.is_tensor))), inp.data_spec)[0]
     leaf_ids, spec = tree.flatten(args_template[num - 1])
     it = iter(grads)
@@ -389,6 +474,8 @@ def pipeline(
     schedule: str | Schedule | Callable[..., Schedule] = "1f1b",
     in_axes: Any = 0,
     out_axes: Any = None,
+    mesh: Any = None,
+    timeout: float = DEFAULT_TIMEOUT,
 ) -> Pipelined:
     """Cut `f` into pipeline stages and run it over microbatches.
 
@@ -404,6 +491,12 @@ def pipeline(
             tensors are split along dim 0; 0-dim tensors are never split.
         out_axes: how each output is combined over microbatches: 'mean', 'sum' or an int axis to
             concatenate along (a prefix pytree). Default: 'mean' for scalars, 0 otherwise.
+        mesh: a DeviceMesh with a "pp" dimension; by default, under torchrun, all ranks form one
+            pipeline (the process group is initialised from torchrun's environment if needed:
+            NCCL with CUDA, gloo otherwise). Stage s runs on pipeline rank
+            `schedule.stage_rank[s]`. Without a process group every stage runs in this process.
+        timeout: seconds a rank waits for a peer before failing with an error naming the peer
+            and the action it waited on (a peer that is alive but stopped or stuck).
 
     Returns:
         A `Pipelined` callable with `f`'s signature; use it under `fpipe.value_and_grad`,
@@ -430,7 +523,10 @@ def pipeline(
         raise ValueError(f"{call}: microbatches must be a positive int, got {microbatches!r}.")
     if stages is not None and (not isinstance(stages, int) or stages < 1):
         raise ValueError(f"pipeline({_fn_name(f)}, stages={stages!r}): stages must be a positive int or None.")
-    return Pipelined(f, stages=stages, microbatches=microbatches, schedule=schedule, in_axes=in_axes, out_axes=out_axes)
+    return Pipelined(
+        f, stages=stages, microbatches=microbatches, schedule=schedule, in_axes=in_axes, out_axes=out_axes,
+        mesh=mesh, timeout=timeout,
+    )  # fmt: skip
 
 
 def value_and_grad(piped: Pipelined, argnums: int | tuple[int, ...] = 0, has_aux: bool = False) -> Callable[..., Any]:

@@ -140,7 +140,7 @@ def _insert_marker(graph: fx.Graph, nodes: list[fx.Node], index: dict[fx.Node, i
     crossing = [
         n
         for n in nodes[:i]
-        if n in act and n.op != "placeholder" and any(index[u] >= i for u in n.users)
+        if n in act and n.op != "placeholder" and any(index.get(u, math.inf) >= i for u in n.users)
         and isinstance(_val(n), torch.Tensor)
     ]
     if not crossing:

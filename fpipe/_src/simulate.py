@@ -37,7 +37,7 @@ def dependencies(sched: Schedule) -> Deps:
     present = set(sched.actions())
     last = sched.n_stages - 1
 
-    def deps(a: Action) -> list[Action]:
+    def needs(a: Action) -> list[Action]:
         if a.kind == "F":
             return [Action("F", a.stage - 1, a.mb)] if a.stage > 0 else []
         if a.kind == "W":
@@ -47,7 +47,8 @@ def dependencies(sched: Schedule) -> Deps:
         grad = Action("I", a.stage + 1, a.mb)
         return [Action("F", a.stage, a.mb), grad if grad in present else Action("B", a.stage + 1, a.mb)]
 
-    return deps
+    table = {a: needs(a) for a in present}
+    return lambda a: table[a] if a in table else needs(a)
 
 
 def _replay(ranks: Sequence[Sequence[Action]], deps: Deps) -> tuple[list[Action], list[int]]:

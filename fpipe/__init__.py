@@ -10,5 +10,7 @@ from ._src.api import pipeline as pipeline
 from ._src.api import value_and_grad as value_and_grad
 from ._src.functionalize import functionalize as functionalize
 from ._src.marker import stage_boundary as stage_boundary
+from ._src.optim import clip_grad_norm_ as clip_grad_norm_
+from ._src.optim import set_grads as set_grads
 
 __version__ = "0.1.0"

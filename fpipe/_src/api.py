@@ -46,7 +46,8 @@ class _Inputs:
 
     def key(self) -> tuple[Any, ...]:
         def sig(t: torch.Tensor) -> tuple[Any, ...]:
-            return (tuple(t.shape), t.dtype, t.device.type)
+            # a meta parameter (another rank's) traces like a real one: same signature
+            return (tuple(t.shape), t.dtype)
 
         return (
             str(self.param_spec),
@@ -67,6 +68,7 @@ class _Compiled:
     reductions: list[str | int]
     diff: list[int]
     stage_costs: list[float] | None
+    param_keys: list[Any]
 
 
 class Pipelined:
@@ -192,7 +194,7 @@ class Pipelined:
         sched = self._schedule(staged.n_stages)
         pg = self.pg
         runner: Any = LocalRunner(staged, sched) if pg is None else DistRunner(staged, sched, pg, self.timeout)
-        return _Compiled(staged, runner, fwd.consts, fwd.out_spec, reductions, diff, stage_costs)
+        return _Compiled(staged, runner, fwd.consts, fwd.out_spec, reductions, diff, stage_costs, _param_keys(inp))
 
     def _cut(self, fwd: Forward) -> list[float] | None:
         n_markers = len(fwd.gm.graph.find_nodes(op="call_function", target=BOUNDARY))
@@ -281,13 +283,72 @@ class Pipelined:
         glob = dict(zip(st.param_inputs, inp.param_leaves))
         glob.update(zip(st.const_inputs, c.consts))
         if ct is not None:
-            ref = inp.param_leaves[0] if inp.param_leaves else mbs[0][0]
-            glob[st.ct_input] = torch.tensor(ct, dtype=ref.dtype, device=ref.device)
+            glob[st.ct_input] = torch.tensor(ct, dtype=st.meta[st.ct_input][1], device=self._device(inp))
         data = [dict(zip(st.data_inputs, mb)) for mb in mbs]
         return c.runner.run(glob, data)
 
+    def _device(self, inp: _Inputs) -> torch.device:
+        if self.pg is not None:
+            return self.pg.device
+        real = [t for t in [*inp.data_leaves, *inp.param_leaves] if not t.is_meta]
+        return real[0].device if real else torch.device("cpu")
+
     def __call__(self, params: Any, *args: Any, **kwargs: Any) -> Any:
         return self._guarded(self._forward, params, args, kwargs)
+
+    # -- stage-sharded parameters --------------------------------------------------------------
+    def materialize(
+        self,
+        module: torch.nn.Module,
+        *args: Any,
+        state_dict: dict[str, torch.Tensor] | None = None,
+        device: torch.device | str | None = None,
+        **kwargs: Any,
+    ) -> dict[str, torch.Tensor]:
+        """Allocate and initialise this rank's parameters of a module built on the meta device.
+
+        Traces the pipeline with example inputs `args`/`kwargs` (real or meta tensors of the
+        shapes the step will use) and the module's parameters as `functionalize` names them,
+        then materialises only what this rank's stages read, initialised by the owning
+        modules' `reset_parameters()` or copied from `state_dict`.
+
+        Returns:
+            The params dict to pass to the pipeline: this rank's entries are real tensors on
+            this rank's device; the rest stay on the meta device (no memory). Build the
+            optimizer over the real ones: `{k: v for k, v in params.items() if not v.is_meta}`.
+        """
+        from .materialize import materialize_module, remap
+
+        params = {n: p.detach() for n, p in module.named_parameters()}
+        inp, _, c = self._get(params, args, kwargs, None, False)
+        local = self._local_inputs(c, c.staged.param_inputs)
+        names = [k for i, k in enumerate(c.param_keys) if i in local]
+        const_local = self._local_inputs(c, c.staged.const_inputs)
+        buffers = [b for i, b in enumerate(c.consts) if i in const_local]
+        dev = torch.device(device) if device is not None else (self.pg.device if self.pg else torch.device("cpu"))
+        replaced = materialize_module(module, set(names), buffers, dev, state_dict)
+        for compiled in self._cache.values():
+            compiled.consts[:] = remap(compiled.consts, replaced)
+        return {n: p.detach() for n, p in module.named_parameters()}
+
+    def _local_inputs(self, c: _Compiled, names: list[str]) -> set[int]:
+        """Positions of the inputs in `names` that this rank's programs read."""
+        if self.pg is None:
+            return set(range(len(names)))
+        mine = self.pg.rank
+        return {i for i, n in enumerate(names) if any(c.runner.rank_of(p) == mine for p in c.staged.consumers.get(n, []))}
+
+    def param_owner(self) -> dict[str, int]:
+        """For a params dict: the lowest pipeline rank that uses each parameter (from the last
+        compiled program); a parameter several ranks share is counted by its owner alone."""
+        out: dict[str, int] = {}
+        for c in self._cache.values():
+            keys = c.param_keys
+            for i, name in enumerate(c.staged.param_inputs):
+                ranks = [c.runner.rank_of(p) for p in c.staged.consumers.get(name, [])]
+                if ranks and i < len(keys):
+                    out[keys[i]] = min(ranks)
+        return out
 
     def _forward(self, params: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         inp, mbs, c = self._get(params, args, kwargs, None, False)
@@ -366,6 +427,17 @@ class Pipelined:
             g = torch.empty(shape, dtype=dtype, device=pg.device)
         dist.broadcast(g, pg.global_rank(src), group=pg.group)
         return g if (pos >= n_p or pg.rank in users) else None
+
+
+def _param_keys(inp: _Inputs) -> list[Any]:
+    """For a params dict: the key of each flat parameter leaf, in leaf order (else [])."""
+    positions = tree.unflatten(list(range(len(inp.param_leaves))), inp.param_spec)
+    if not isinstance(positions, dict):
+        return []
+    keys: list[Any] = [None] * len(positions)
+    for k, i in positions.items():
+        keys[i] = k
+    return keys
 
 
 def _reduced_shape(c: _Compiled, i: int, m: int) -> torch.Size:

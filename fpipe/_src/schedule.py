@@ -39,7 +39,7 @@ __all__ = ["Action", "Schedule", "register", "build", "names", "parse", "executi
 KINDS = ("F", "B", "I", "W")
 
 
-@dataclasses.dataclass(frozen=True, order=True, slots=True)
+@dataclasses.dataclass(frozen=True, order=True)
 class Action:
     """One unit of work: `kind` ("F", "B", "I" or "W") of stage `stage` for microbatch `mb`."""
 

@@ -304,10 +304,12 @@ def simulate(
     stage. `F` costs `forward`, `I` costs `backward`, `W` costs `weight` and a full `B` costs
     `backward + weight`.
 
-    With the defaults (F = 1, full B = 2, comm = 0) GPipe and 1F1B both take 3 (m + pp - 1)
-    for m microbatches on pp ranks, and every rank is busy 3m of it, so each rank's bubble is
-    exactly (pp - 1) / (m + pp - 1). ZB-H1 (F = I = W = 1) takes 3m + pp - 1: idle time per rank
-    pp - 1, a third of 1F1B's 3 (pp - 1).
+    A rank's bubble is its idle time divided by the makespan. With the defaults (F = 1, full
+    B = 2, comm = 0) GPipe and 1F1B both take 3 (m + pp - 1) for m microbatches on pp ranks and
+    every rank is busy 3m of it, so each rank's bubble is exactly (pp - 1) / (m + pp - 1), the
+    textbook value. (Idle time over busy time would give (pp - 1) / m instead.) ZB-H1
+    (F = I = W = 1) takes 3m + pp - 1 for m >= pp: idle time pp - 1 per rank, a third of 1F1B's
+    3 (pp - 1), and a bubble of (pp - 1) / (3m + pp - 1).
 
     Args:
         sched: the schedule; it is validated first.
@@ -346,7 +348,7 @@ def simulate(
 
 
 def _per_stage(name: str, c: Cost, n_stages: int) -> list[float]:
-    values = [float(c)] * n_stages if isinstance(c, (int, float)) else [float(x) for x in c]
+    values = [float(x) for x in c] if isinstance(c, Iterable) else [float(c)] * n_stages
     if len(values) != n_stages:
         raise ValueError(
             f"simulate({name}=...): got {len(values)} per-stage costs for {n_stages} stages; "

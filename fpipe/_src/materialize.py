@@ -1,0 +1,95 @@
+"""Materialise only this rank's stage of a model built on the meta device.
+
+A model too big for one host is built under `torch.device("meta")` (no memory), traced (fake
+tensors, no memory), and then each rank allocates and initialises just the parameters and
+buffers its stages read: by the owning modules' own `reset_parameters`, or from a state dict.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["materialize_module"]
+
+
+def _owners(module: nn.Module, tensors: dict[int, str]) -> dict[int, list[tuple[nn.Module, str, bool]]]:
+    """id(tensor) -> every (submodule, attribute, is_param) holding it (tied weights have several)."""
+    out: dict[int, list[tuple[nn.Module, str, bool]]] = {}
+    for sub in module.modules():
+        for name, p in sub.named_parameters(recurse=False):
+            if id(p) in tensors:
+                out.setdefault(id(p), []).append((sub, name, True))
+        for name, b in sub.named_buffers(recurse=False):
+            if b is not None and id(b) in tensors:
+                out.setdefault(id(b), []).append((sub, name, False))
+    return out
+
+
+def materialize_module(
+    module: nn.Module,
+    local_params: set[str],
+    local_buffers: list[torch.Tensor],
+    device: torch.device,
+    state_dict: dict[str, torch.Tensor] | None,
+) -> dict[int, torch.Tensor]:
+    """Allocate and initialise the named parameters and the given buffers on `device`.
+
+    Every direct parameter of a submodule that owns a local one is materialised too (its
+    `reset_parameters` initialises them together). Returns id(old tensor) -> new tensor.
+    """
+    named = dict(module.named_parameters())
+    targets = {id(named[n]): n for n in local_params}
+    owning = {id(sub) for ids in _owners(module, targets).values() for sub, _, _ in ids}
+    for sub in module.modules():
+        if id(sub) in owning:
+            targets.update({id(p): "" for _, p in sub.named_parameters(recurse=False)})
+    buffer_names = {id(b): n for n, b in module.named_buffers()}
+    targets.update({id(b): buffer_names.get(id(b), "") for b in local_buffers if b.is_meta})
+    owners = _owners(module, targets)
+    replaced: dict[int, torch.Tensor] = {}
+    for key, holders in owners.items():
+        old = getattr(holders[0][0], holders[0][1])
+        if not old.is_meta:
+            continue
+        new = torch.empty_like(old, device=device)
+        new = nn.Parameter(new, requires_grad=old.requires_grad) if holders[0][2] else new
+        for sub, attr, _ in holders:
+            setattr(sub, attr, new)
+        replaced[key] = new
+    _initialise(module, owners, replaced, state_dict)
+    return replaced
+
+
+def _initialise(
+    module: nn.Module,
+    owners: dict[int, list[tuple[nn.Module, str, bool]]],
+    replaced: dict[int, torch.Tensor],
+    state_dict: dict[str, torch.Tensor] | None,
+) -> None:
+    if state_dict is not None:
+        full = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+        with torch.no_grad():
+            for name, t in full.items():
+                if any(t is r for r in replaced.values()) and name in state_dict:
+                    t.copy_(state_dict[name])
+        return
+    subs = {id(sub): sub for key in replaced for sub, _, _ in owners[key]}
+    with torch.no_grad():
+        for sub in subs.values():
+            reset = getattr(sub, "reset_parameters", None)
+            if callable(reset):
+                reset()
+            elif any(is_p for key in replaced for s, _, is_p in owners[key] if s is sub):
+                warnings.warn(
+                    f"materialize: {type(sub).__name__} has no reset_parameters(); its parameters "
+                    "are left uninitialised. Pass state_dict=... or give it reset_parameters().",
+                    stacklevel=3,
+                )
+
+
+def remap(values: list[Any], replaced: dict[int, torch.Tensor]) -> list[Any]:
+    return [replaced.get(id(v), v) for v in values]

@@ -1,0 +1,82 @@
+"""What a custom training loop needs across pipeline ranks: gradient norm, clipping, `.grad`."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import tree
+
+__all__ = ["clip_grad_norm_", "set_grads"]
+
+
+def clip_grad_norm_(grads: Any, max_norm: float, *, pipeline: Any = None, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip gradients in place by their global norm over all pipeline ranks; return the norm.
+
+    Args:
+        grads: the gradient pytree from `fpipe.value_and_grad` (this rank's parameters).
+        max_norm: the largest allowed global norm.
+        pipeline: the `Pipelined` that produced `grads`; in a process group it tells which
+            rank owns a parameter that several ranks share (counted once). Not needed in one
+            process.
+        norm_type: the p of the p-norm (2.0 or math.inf).
+
+    Example:
+        >>> import torch, fpipe
+        >>> g = {"w": torch.tensor([3.0, 4.0])}
+        >>> fpipe.clip_grad_norm_(g, 1.0)
+        tensor(5.)
+        >>> g["w"]
+        tensor([0.6000, 0.8000])
+    """
+    pg = pipeline.pg if pipeline is not None else None
+    leaves, _ = tree.flatten(grads)
+    owned = _owned_leaves(grads, pipeline) if pg is not None else [g for g in leaves if g is not None]
+    device = leaves[0].device if leaves else torch.device("cpu")
+    if norm_type == math.inf:
+        local = max((g.abs().max() for g in owned), default=torch.zeros((), device=device)).float()
+    else:
+        local = sum((g.float().pow(norm_type).sum() for g in owned), torch.zeros((), device=device))
+    if pg is not None:
+        local = local.to(pg.device)
+        dist.all_reduce(local, op=dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM, group=pg.group)
+    total = local if norm_type == math.inf else local.pow(1.0 / norm_type)
+    coef = max_norm / (float(total) + 1e-6)
+    if coef < 1.0:
+        for g in leaves:
+            if g is not None:
+                g.mul_(coef)
+    return total.to(device)
+
+
+def _owned_leaves(grads: Any, pipeline: Any) -> list[torch.Tensor]:
+    if not isinstance(grads, dict):
+        raise TypeError("clip_grad_norm_(grads, pipeline=...): in a process group, grads must be the params dict's gradients.")
+    owner = pipeline.param_owner()
+    return [g for k, g in grads.items() if g is not None and owner.get(k, pipeline.pg.rank) == pipeline.pg.rank]
+
+
+def set_grads(params: Any, grads: Any) -> None:
+    """Set `.grad` of each tensor in `params` from the matching entry of `grads`, so any
+    `torch.optim` optimizer built over this rank's parameters can `step()`.
+
+    Entries of `params` without a gradient (another rank's parameters) are left alone.
+
+    Example:
+        >>> import torch, fpipe
+        >>> params = {"w": torch.zeros(2)}
+        >>> opt = torch.optim.SGD(params.values(), lr=0.5)
+        >>> fpipe.set_grads(params, {"w": torch.ones(2)})
+        >>> opt.step(); params["w"]
+        tensor([-0.5000, -0.5000])
+    """
+    if isinstance(params, dict) and isinstance(grads, dict):
+        for k, g in grads.items():
+            params[k].grad = g
+        return
+    for p, g in zip(tree.flatten(params)[0], tree.flatten(grads)[0]):
+        if g is not None:
+            p.grad = g

@@ -17,7 +17,7 @@ from . import tree
 from .partition import auto_partition
 from .run import LocalRunner
 from .schedule import Schedule, build, names
-from .split import Staged, split
+from .split import Staged, split, split_backward
 from .trace import Forward, Joint, make_fakes, trace_forward, trace_joint
 from .dist import DEFAULT_TIMEOUT, PeerFailure, PPGroup, pp_group
 from .marker import BOUNDARY
@@ -176,7 +176,7 @@ class Pipelined:
     # -- compile: trace -> partition -> split -> schedule ---------------------------------------
     def _compile(self, inp: _Inputs, mb0: list[torch.Tensor], grad_of: tuple[int, ...] | None, has_aux: bool) -> _Compiled:
         call = self._call_str()
-        data_device = mb0[0].device if mb0 else None
+        data_device = self._device(inp)
         mode, fakes = make_fakes([*inp.param_leaves, *mb0], data_device)
         fwd = trace_forward(call, self.f, self._rebuild(inp), fakes, len(inp.param_leaves))
         stage_costs = self._cut(fwd)
@@ -192,9 +192,23 @@ class Pipelined:
             joint = trace_joint(call, fwd, [*fakes, *const_fakes, ct], diff, has_aux)
         staged = split(call, joint, self.stages)
         sched = self._schedule(staged.n_stages)
+        staged = self._split_backward(staged, sched)
         pg = self.pg
         runner: Any = LocalRunner(staged, sched) if pg is None else DistRunner(staged, sched, pg, self.timeout)
         return _Compiled(staged, runner, fwd.consts, fwd.out_spec, reductions, diff, stage_costs, _param_keys(inp))
+
+    def _split_backward(self, staged: Staged, sched: Schedule) -> Staged:
+        """Split B into I and W on the stages where the schedule uses I/W actions."""
+        kinds: dict[int, set[str]] = {}
+        for a in sched.actions():
+            kinds.setdefault(a.stage, set()).add(a.kind)
+        mixed = sorted(s for s, k in kinds.items() if "B" in k and k & {"I", "W"})
+        if mixed:
+            raise ValueError(
+                f"{self._call_str()}: schedule {sched.name!r} uses both B and I/W actions on "
+                f"stage(s) {mixed}; on each stage use either full backwards or the I/W split."
+            )
+        return split_backward(staged, [s for s, k in kinds.items() if k & {"I", "W"}])
 
     def _cut(self, fwd: Forward) -> list[float] | None:
         n_markers = len(fwd.gm.graph.find_nodes(op="call_function", target=BOUNDARY))

@@ -8,20 +8,21 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from . import tree
+from .dist import DEFAULT_TIMEOUT, PeerFailure, PPGroup, pp_group
+from .marker import BOUNDARY
 from .partition import auto_partition
 from .run import LocalRunner
+from .run_dist import DistRunner
 from .schedule import Schedule, build, names
 from .split import Staged, split, split_backward
 from .trace import Forward, Joint, make_fakes, trace_forward, trace_joint
-from .dist import DEFAULT_TIMEOUT, PeerFailure, PPGroup, pp_group
-from .marker import BOUNDARY
-from .run_dist import DistRunner
 
 __all__ = ["pipeline", "value_and_grad", "grad", "Pipelined"]
 
@@ -161,7 +162,9 @@ class Pipelined:
             chunks.append(list(torch.split(t, size // m, dim=axis)))
         return [[c[i] for c in chunks] for i in range(m)]
 
-    def _rebuild(self, inp: _Inputs) -> Callable[[list[torch.Tensor]], tuple[Any, tuple[Any, ...], dict[str, Any]]]:
+    def _rebuild(
+        self, inp: _Inputs
+    ) -> Callable[[list[torch.Tensor]], tuple[Any, tuple[Any, ...], dict[str, Any]]]:
         n_p = len(inp.param_leaves)
 
         def rebuild(leaves: list[torch.Tensor]) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
@@ -174,7 +177,9 @@ class Pipelined:
         return rebuild
 
     # -- compile: trace -> partition -> split -> schedule ---------------------------------------
-    def _compile(self, inp: _Inputs, mb0: list[torch.Tensor], grad_of: tuple[int, ...] | None, has_aux: bool) -> _Compiled:
+    def _compile(
+        self, inp: _Inputs, mb0: list[torch.Tensor], grad_of: tuple[int, ...] | None, has_aux: bool
+    ) -> _Compiled:
         call = self._call_str()
         data_device = self._device(inp)
         mode, fakes = make_fakes([*inp.param_leaves, *mb0], data_device)
@@ -188,14 +193,20 @@ class Pipelined:
         else:
             diff = self._diff_positions(inp, grad_of, fwd, reductions, has_aux)
             with mode:
-                ct = torch.empty((), dtype=fakes[diff[0]].dtype if diff else torch.float32, device=data_device)
+                ct = torch.empty(
+                    (), dtype=fakes[diff[0]].dtype if diff else torch.float32, device=data_device
+                )
             joint = trace_joint(call, fwd, [*fakes, *const_fakes, ct], diff, has_aux)
         staged = split(call, joint, self.stages)
         sched = self._schedule(staged.n_stages)
         staged = self._split_backward(staged, sched)
         pg = self.pg
-        runner: Any = LocalRunner(staged, sched) if pg is None else DistRunner(staged, sched, pg, self.timeout)
-        return _Compiled(staged, runner, fwd.consts, fwd.out_spec, reductions, diff, stage_costs, _param_keys(inp))
+        runner: Any = (
+            LocalRunner(staged, sched) if pg is None else DistRunner(staged, sched, pg, self.timeout)
+        )
+        return _Compiled(
+            staged, runner, fwd.consts, fwd.out_spec, reductions, diff, stage_costs, _param_keys(inp)
+        )
 
     def _split_backward(self, staged: Staged, sched: Schedule) -> Staged:
         """Split B into I and W on the stages where the schedule uses I/W actions."""
@@ -278,11 +289,20 @@ class Pipelined:
                 f"but returns {what}; reduce it to a scalar, or pass has_aux=True and return (loss, aux)."
             )
         if reductions[0] not in _REDUCTIONS:
-            raise ValueError(f"{call}: the loss must be reduced over microbatches by 'mean' or 'sum', not {reductions[0]!r}.")
+            raise ValueError(
+                f"{call}: the loss must be reduced over microbatches by 'mean' or 'sum', not {reductions[0]!r}."
+            )
         return _argnum_positions(call, inp, argnums)
 
     # -- call --------------------------------------------------------------------------------
-    def _get(self, params: Any, args: tuple[Any, ...], kwargs: dict[str, Any], grad_of: tuple[int, ...] | None, has_aux: bool) -> tuple[_Inputs, list[list[torch.Tensor]], _Compiled]:
+    def _get(
+        self,
+        params: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        grad_of: tuple[int, ...] | None,
+        has_aux: bool,
+    ) -> tuple[_Inputs, list[list[torch.Tensor]], _Compiled]:
         inp = self._flatten(params, args, kwargs)
         mbs = self._split_data(inp)
         key = (inp.key(), grad_of, has_aux)
@@ -292,7 +312,9 @@ class Pipelined:
             self._cache[key] = compiled
         return inp, mbs, compiled
 
-    def _execute(self, inp: _Inputs, mbs: list[list[torch.Tensor]], c: _Compiled, ct: float | None) -> list[list[Any]]:
+    def _execute(
+        self, inp: _Inputs, mbs: list[list[torch.Tensor]], c: _Compiled, ct: float | None
+    ) -> list[list[Any]]:
         st = c.staged
         glob = dict(zip(st.param_inputs, inp.param_leaves))
         glob.update(zip(st.const_inputs, c.consts))
@@ -339,7 +361,11 @@ class Pipelined:
         names = [k for i, k in enumerate(c.param_keys) if i in local]
         const_local = self._local_inputs(c, c.staged.const_inputs)
         buffers = [b for i, b in enumerate(c.consts) if i in const_local]
-        dev = torch.device(device) if device is not None else (self.pg.device if self.pg else torch.device("cpu"))
+        dev = (
+            torch.device(device)
+            if device is not None
+            else (self.pg.device if self.pg else torch.device("cpu"))
+        )
         replaced = materialize_module(module, set(names), buffers, dev, state_dict)
         for compiled in self._cache.values():
             compiled.consts[:] = remap(compiled.consts, replaced)
@@ -350,7 +376,11 @@ class Pipelined:
         if self.pg is None:
             return set(range(len(names)))
         mine = self.pg.rank
-        return {i for i, n in enumerate(names) if any(c.runner.rank_of(p) == mine for p in c.staged.consumers.get(n, []))}
+        return {
+            i
+            for i, n in enumerate(names)
+            if any(c.runner.rank_of(p) == mine for p in c.staged.consumers.get(n, []))
+        }
 
     def param_owner(self) -> dict[str, int]:
         """For a params dict: the lowest pipeline rank that uses each parameter (from the last
@@ -370,10 +400,24 @@ class Pipelined:
         outs = self._values(c, results)
         return tree.unflatten(outs, c.out_spec)
 
-    def value_and_grad(self, argnums: int | tuple[int, ...], has_aux: bool, params: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def value_and_grad(
+        self,
+        argnums: int | tuple[int, ...],
+        has_aux: bool,
+        params: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
         return self._guarded(self._value_and_grad, params, args, kwargs, argnums, has_aux)
 
-    def _value_and_grad(self, params: Any, args: tuple[Any, ...], kwargs: dict[str, Any], argnums: int | tuple[int, ...], has_aux: bool) -> Any:
+    def _value_and_grad(
+        self,
+        params: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        argnums: int | tuple[int, ...],
+        has_aux: bool,
+    ) -> Any:
         nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
         inp, mbs, c = self._get(params, args, kwargs, nums, has_aux)
         ct = 1.0 / self.microbatches if c.reductions[0] == "mean" else 1.0
@@ -382,7 +426,9 @@ class Pipelined:
         grads = self._gather_grads(inp, c, [r[c.staged.n_outs :] for r in results], nums)
         return value, (grads[0] if isinstance(argnums, int) else tuple(grads))
 
-    def _guarded(self, fn: Callable[..., Any], params: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *rest: Any) -> Any:
+    def _guarded(
+        self, fn: Callable[..., Any], params: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *rest: Any
+    ) -> Any:
         """Run `fn`; in a process group, a failure here is reported so every rank stops."""
         try:
             return fn(params, args, kwargs, *rest)
@@ -406,16 +452,26 @@ class Pipelined:
             if src == pg.rank:
                 val = _reduce([[r[i]] for r in results], [c.reductions[i]])[0].contiguous()
             else:
-                val = torch.empty(_reduced_shape(c, i, self.microbatches), dtype=c.staged.meta[c.staged.out_names[i]][1], device=pg.device)
+                val = torch.empty(
+                    _reduced_shape(c, i, self.microbatches),
+                    dtype=c.staged.meta[c.staged.out_names[i]][1],
+                    device=pg.device,
+                )
             dist.broadcast(val, pg.global_rank(src), group=pg.group)
             out.append(val)
         return out
 
-    def _gather_grads(self, inp: _Inputs, c: _Compiled, per_mb: list[list[Any]], nums: tuple[int, ...]) -> list[Any]:
-        flat = {pos: self._grad_of(inp, c, per_mb, j, pos) for j, pos in enumerate(c.diff)}
-        return [_rebuild_grad_tree(inp, num, [flat[p] for p in _positions_of_argnum(inp, num)]) for num in nums]
+    def _gather_grads(
+        self, inp: _Inputs, c: _Compiled, per_mb: list[list[Any]], nums: tuple[int, ...]
+    ) -> list[Any]:
+        flat: dict[int, Any] = {pos: self._grad_of(inp, c, per_mb, j, pos) for j, pos in enumerate(c.diff)}
+        return [
+            _rebuild_grad_tree(inp, num, [flat[p] for p in _positions_of_argnum(inp, num)]) for num in nums
+        ]
 
-    def _grad_of(self, inp: _Inputs, c: _Compiled, per_mb: list[list[Any]], j: int, pos: int) -> torch.Tensor | None:
+    def _grad_of(
+        self, inp: _Inputs, c: _Compiled, per_mb: list[list[Any]], j: int, pos: int
+    ) -> torch.Tensor | None:
         """Combine one input's gradient over microbatches. In a group: a parameter's gradient is
         returned on the ranks that use it (broadcast when several do, e.g. a tied embedding); a
         data argument's gradient on every rank."""
@@ -518,7 +574,9 @@ def _argnum_positions(call: str, inp: _Inputs, argnums: tuple[int, ...]) -> list
     out: list[int] = []
     for num in argnums:
         if not 0 <= num <= n_args:
-            raise ValueError(f"{call}: argnums={num} is out of range for a call with {n_args + 1} positional arguments.")
+            raise ValueError(
+                f"{call}: argnums={num} is out of range for a call with {n_args + 1} positional arguments."
+            )
         positions = _positions_of_argnum(inp, num)
         leaves = inp.param_leaves + inp.data_leaves
         for p in positions:
@@ -604,18 +662,24 @@ def pipeline(
     """
     call = f"pipeline({_fn_name(f)}, microbatches={microbatches})"
     if isinstance(schedule, str) and schedule not in names():
-        raise ValueError(f"{call.rstrip(')')}, schedule={schedule!r}): unknown schedule; known schedules are {names()}.")
+        raise ValueError(
+            f"{call.rstrip(')')}, schedule={schedule!r}): unknown schedule; known schedules are {names()}."
+        )
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"{call}: microbatches must be a positive int, got {microbatches!r}.")
     if stages is not None and (not isinstance(stages, int) or stages < 1):
-        raise ValueError(f"pipeline({_fn_name(f)}, stages={stages!r}): stages must be a positive int or None.")
+        raise ValueError(
+            f"pipeline({_fn_name(f)}, stages={stages!r}): stages must be a positive int or None."
+        )
     return Pipelined(
         f, stages=stages, microbatches=microbatches, schedule=schedule, in_axes=in_axes, out_axes=out_axes,
         mesh=mesh, timeout=timeout,
     )  # fmt: skip
 
 
-def value_and_grad(piped: Pipelined, argnums: int | tuple[int, ...] = 0, has_aux: bool = False) -> Callable[..., Any]:
+def value_and_grad(
+    piped: Pipelined, argnums: int | tuple[int, ...] = 0, has_aux: bool = False
+) -> Callable[..., Any]:
     """`torch.func.grad_and_value`'s meaning, computed by the pipeline schedule, value first.
 
     Returns a function `(params, *args, **kwargs) -> (value, grads)`; with `has_aux=True`, `f`
@@ -631,7 +695,9 @@ def value_and_grad(piped: Pipelined, argnums: int | tuple[int, ...] = 0, has_aux
         tensor([4., 4., 4.])
     """
     if not isinstance(piped, Pipelined):
-        raise TypeError(f"value_and_grad(piped): expected the result of fpipe.pipeline, got {type(piped).__name__}.")
+        raise TypeError(
+            f"value_and_grad(piped): expected the result of fpipe.pipeline, got {type(piped).__name__}."
+        )
 
     @functools.wraps(piped)
     def vg(params: Any, *args: Any, **kwargs: Any) -> Any:

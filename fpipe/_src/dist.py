@@ -21,7 +21,8 @@ import os
 import queue
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -139,7 +140,9 @@ def pp_group(mesh: Any = None, timeout: float = DEFAULT_TIMEOUT) -> PPGroup | No
     """The pipeline group: the mesh's "pp" dimension, else all ranks; None in one process."""
     if mesh is not None:
         if "pp" not in (mesh.mesh_dim_names or ()):
-            raise ValueError(f"pipeline(mesh=...): the mesh has dimensions {mesh.mesh_dim_names}; it needs one named 'pp'.")
+            raise ValueError(
+                f"pipeline(mesh=...): the mesh has dimensions {mesh.mesh_dim_names}; it needs one named 'pp'."
+            )
         group = mesh.get_group("pp")
     else:
         if not dist.is_initialized():

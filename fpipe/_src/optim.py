@@ -13,7 +13,9 @@ from . import tree
 __all__ = ["clip_grad_norm_", "set_grads"]
 
 
-def clip_grad_norm_(grads: Any, max_norm: float, *, pipeline: Any = None, norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm_(
+    grads: Any, max_norm: float, *, pipeline: Any = None, norm_type: float = 2.0
+) -> torch.Tensor:
     """Clip gradients in place by their global norm over all pipeline ranks; return the norm.
 
     Args:
@@ -42,7 +44,9 @@ def clip_grad_norm_(grads: Any, max_norm: float, *, pipeline: Any = None, norm_t
         local = sum((g.float().pow(norm_type).sum() for g in owned), torch.zeros((), device=device))
     if pg is not None:
         local = local.to(pg.device)
-        dist.all_reduce(local, op=dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM, group=pg.group)
+        dist.all_reduce(
+            local, op=dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM, group=pg.group
+        )
     total = local if norm_type == math.inf else local.pow(1.0 / norm_type)
     coef = max_norm / (float(total) + 1e-6)
     if coef < 1.0:
@@ -54,9 +58,13 @@ def clip_grad_norm_(grads: Any, max_norm: float, *, pipeline: Any = None, norm_t
 
 def _owned_leaves(grads: Any, pipeline: Any) -> list[torch.Tensor]:
     if not isinstance(grads, dict):
-        raise TypeError("clip_grad_norm_(grads, pipeline=...): in a process group, grads must be the params dict's gradients.")
+        raise TypeError(
+            "clip_grad_norm_(grads, pipeline=...): in a process group, grads must be the params dict's gradients."
+        )
     owner = pipeline.param_owner()
-    return [g for k, g in grads.items() if g is not None and owner.get(k, pipeline.pg.rank) == pipeline.pg.rank]
+    return [
+        g for k, g in grads.items() if g is not None and owner.get(k, pipeline.pg.rank) == pipeline.pg.rank
+    ]
 
 
 def set_grads(params: Any, grads: Any) -> None:

@@ -107,7 +107,9 @@ def auto_partition(call: str, fwd: Forward, n_stages: int) -> list[float]:
     return [cum[b] - cum[a] for a, b in zip(bounds, bounds[1:])]
 
 
-def _liveness(nodes: list[fx.Node], act: set[fx.Node], index: dict[fx.Node, int]) -> tuple[list[float], list[bool]]:
+def _liveness(
+    nodes: list[fx.Node], act: set[fx.Node], index: dict[fx.Node, int]
+) -> tuple[list[float], list[bool]]:
     """Per position i (a cut before node i): bytes of activations alive across it, and whether
     every value alive across it is a tensor (a tuple can't cross)."""
     n = len(nodes)
@@ -136,11 +138,15 @@ def _liveness(nodes: list[fx.Node], act: set[fx.Node], index: dict[fx.Node, int]
     return live, cuttable
 
 
-def _insert_marker(graph: fx.Graph, nodes: list[fx.Node], index: dict[fx.Node, int], act: set[fx.Node], i: int) -> None:
+def _insert_marker(
+    graph: fx.Graph, nodes: list[fx.Node], index: dict[fx.Node, int], act: set[fx.Node], i: int
+) -> None:
     crossing = [
         n
         for n in nodes[:i]
-        if n in act and n.op != "placeholder" and any(index.get(u, math.inf) >= i for u in n.users)
+        if n in act
+        and n.op != "placeholder"
+        and any(index.get(u, math.inf) >= i for u in n.users)
         and isinstance(_val(n), torch.Tensor)
     ]
     if not crossing:
@@ -150,4 +156,6 @@ def _insert_marker(graph: fx.Graph, nodes: list[fx.Node], index: dict[fx.Node, i
         outs = [graph.call_function(operator.getitem, (marker, j)) for j in range(len(crossing))]
     for src, out in zip(crossing, outs):
         out.meta["val"] = _val(src)
-        src.replace_all_uses_with(out, delete_user_cb=lambda u: u is not marker and index.get(u, math.inf) >= i)
+        src.replace_all_uses_with(
+            out, delete_user_cb=lambda u: u is not marker and index.get(u, math.inf) >= i
+        )

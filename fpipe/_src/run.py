@@ -7,7 +7,8 @@ memory is exactly what its order implies (1F1B holds fewer microbatches than GPi
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.profiler import record_function
@@ -15,29 +16,11 @@ from torch.profiler import record_function
 from .schedule import Action, Schedule, execution_order
 from .split import Place, Staged
 
-__all__ = ["LocalRunner", "action_place", "Accumulator"]
+__all__ = ["LocalRunner", "action_place"]
 
 
 def action_place(a: Action) -> Place:
     return (a.kind, a.stage)
-
-
-class Accumulator:
-    """Sums per-microbatch gradients without aliasing a program's output."""
-
-    def __init__(self, n: int) -> None:
-        self.values: list[torch.Tensor | None] = [None] * n
-        self.owned = [False] * n
-
-    def add(self, i: int, g: torch.Tensor) -> None:
-        cur = self.values[i]
-        if cur is None:
-            self.values[i] = g
-        elif not self.owned[i] or torch._C._functorch.is_functorch_wrapped_tensor(cur):
-            self.values[i] = cur + g
-            self.owned[i] = True
-        else:
-            cur.add_(g)
 
 
 class LocalRunner:
@@ -54,12 +37,13 @@ class LocalRunner:
             if place is not None:
                 self._out_index.setdefault(place, []).append((i, name))
 
+    def rank_of(self, place: Place) -> int:
+        return self.schedule.stage_rank[place[1]]
+
     def deps(self, a: Action) -> list[Action]:
         return [Action(k, s, a.mb) for (k, s) in self.staged.deps(action_place(a))]
 
-    def run(
-        self, glob: dict[str, torch.Tensor], data: Sequence[dict[str, torch.Tensor]]
-    ) -> list[list[Any]]:
+    def run(self, glob: dict[str, torch.Tensor], data: Sequence[dict[str, torch.Tensor]]) -> list[list[Any]]:
         """Run all actions. `glob` holds params, consts and ct; `data[m]` microbatch m's inputs.
 
         Returns, per microbatch, the joint graph's outputs (values, then gradients).

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -69,7 +70,8 @@ class DistRunner:
 
     def _plan_sends(self) -> None:
         self.sends: dict[Action, list[_Bundle]] = {
-            a: [_Bundle(a, peer, names) for peer, names in self._sends_of(a, self.rank).items()] for a in self.actions
+            a: [_Bundle(a, peer, names) for peer, names in self._sends_of(a, self.rank).items()]
+            for a in self.actions
         }
 
     def _plan_recvs(self) -> None:
@@ -119,7 +121,11 @@ class DistRunner:
         except (PeerFailure, TimeoutError):
             raise
         except Exception as err:
-            where = f"action {st.current} (stage {st.current.stage}, microbatch {st.current.mb})" if st.current else "setup"
+            where = (
+                f"action {st.current} (stage {st.current.stage}, microbatch {st.current.mb})"
+                if st.current
+                else "setup"
+            )
             msg = f"rank {self.rank} failed at {where}: {type(err).__name__}: {err}"
             self.pg.report_failure(msg)
             raise RuntimeError(f"fpipe {msg}") from err
@@ -182,7 +188,11 @@ class _State:
         for peer, idx in self.r.need[a].items():
             keys = [(peer, k) for k in range(idx + 1) if (peer, k) in self.recv_works]
             works = {id(w): w for key in keys for w in self.recv_works[key][0]}
-            self.r.pg.wait_all(list(works.values()), self.r.timeout, lambda: self._waiting(a, peer, idx))
+            self.r.pg.wait_all(
+                list(works.values()),
+                self.r.timeout,
+                lambda a=a, peer=peer, idx=idx: self._waiting(a, peer, idx),
+            )
             for key in keys:
                 bundle = self.r.channels[peer][key[1]]
                 _, bufs = self.recv_works.pop(key)

@@ -375,7 +375,11 @@ class _Rank:
         self.owed: collections.deque[Action] = collections.deque()
 
     def run(self, *ops: tuple[str, int] | str, times: int = 1) -> None:
-        """Appends `ops` `times` times: (kind, stage) is that stage's next F, B or I; `W` the oldest owed W."""
+        """Appends `ops` `times` times.
+
+        (kind, stage) is that stage's next F, B or I, or with kind "IW" its next I and that I's W
+        at once (a full backward written split); `W` alone is the oldest W this rank owes.
+        """
         for _ in range(times):
             for op in ops:
                 if isinstance(op, str):
@@ -385,10 +389,12 @@ class _Rank:
 
     def _add(self, kind: str, stage: int) -> None:
         key = ("F" if kind == "F" else "bwd", stage)
-        a = Action(kind, stage, self.next[key])
+        a = Action(kind[0], stage, self.next[key])
         self.next[key] += 1
         self.acts.append(a)
-        if kind == "I":
+        if kind == "IW":
+            self.acts.append(Action("W", stage, a.mb))
+        elif kind == "I":
             self.owed.append(Action("W", stage, a.mb))
 
     def flush(self) -> None:
@@ -446,8 +452,9 @@ def dualpipev(pp: int, m: int, stages: int) -> Schedule:
     V placement like "zbv". DualPipe's steady phase runs a forward chunk of one microbatch and a
     backward chunk of another at the same time, so one hides the other's all-to-all traffic.
     fpipe runs one action at a time, so each overlapped pair is written as the forward followed by
-    the full backward `B`; where DualPipe splits the backward to fill the drain, the schedule
-    uses `I` and runs the `W` later. The order of actions on each rank is DualPipeV's.
+    the backward, as `I` and its `W` back to back (every backward is split, so a runtime that
+    wants one kind of backward per stage can run it); where DualPipe defers the weight gradient
+    to fill the drain, the `W` runs later. The order of the work on each rank is DualPipeV's.
     Microbatches below 2 * pp are built as 2 * pp and the extra ones dropped.
     """
     return _v_schedule("dualpipev", pp, m, stages, 2 * pp, _dualpipev_rank)
@@ -458,10 +465,10 @@ def _dualpipev_rank(pp: int, n: int, r: int, a: int, b: int) -> _Rank:
     k.run(("F", a), times=2 * (pp - r - 1))  # 1: chunk 0 down the slope
     k.run(("F", a), ("F", b), times=r + 1)  # 2: both chunks, until the first gradient arrives
     k.run(("I", b), W, ("F", b), times=pp - r - 1)  # 3: zero-bubble steps on chunk 1
-    k.run(("F", a), ("B", b), ("F", b), ("B", a), times=n - 2 * pp + r + 1)  # 4: overlapped pairs
-    k.run(("B", b), ("F", b), ("B", a), times=pp - r - 1)  # 5: chunk 0 has no forwards left
-    half = (r + 1) // 2  # 6: both backwards; the second half splits off W
-    k.run(("B", b), ("B", a), times=half)
+    k.run(("F", a), ("IW", b), ("F", b), ("IW", a), times=n - 2 * pp + r + 1)  # 4: overlapped pairs
+    k.run(("IW", b), ("F", b), ("IW", a), times=pp - r - 1)  # 5: chunk 0 has no forwards left
+    half = (r + 1) // 2  # 6: both backwards; the second half defers W
+    k.run(("IW", b), ("IW", a), times=half)
     k.run(("I", b), ("I", a), times=r + 1 - half)
     k.run(W, ("I", a), times=pp - r - 1)  # 7: W's fill the waits for chunk 0's gradients
     k.flush()  # 8: the rest

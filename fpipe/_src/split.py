@@ -24,7 +24,8 @@ from __future__ import annotations
 import dataclasses
 import operator
 from collections import defaultdict
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -99,6 +100,7 @@ def _marker_getitem(node: fx.Node) -> tuple[str, int, fx.Node] | None:
         return None
     kind = "F" if parent.target is BOUNDARY else "B"
     src = parent.args[0][node.args[1]]  # type: ignore[index]
+    assert isinstance(src, fx.Node)
     return kind, 0, src
 
 
@@ -120,6 +122,7 @@ class _Placer:
         self.free_places: dict[fx.Node, list[Place]] = {}
         self.output = self.nodes[-1]
         self.src: dict[fx.Node, fx.Node] = {}  # marker getitem -> its source value
+        self.n_outs = joint.n_outs
         self._number_markers()
 
     def _number_markers(self) -> None:
@@ -250,7 +253,6 @@ class _Placer:
 def split(call: str, joint: Joint, stages: int | None) -> Staged:
     """Cut `joint` at its markers into forward and backward programs per stage."""
     placer = _Placer(call, joint, stages)
-    placer.n_outs = joint.n_outs  # type: ignore[attr-defined]
     placer.run(joint)
     return _build(placer, joint)
 
@@ -395,8 +397,12 @@ def _split_program(prog: Program, staged: Staged, grads: set[str]) -> tuple[Prog
     need_i = _ancestors([by_name[n] for n in i_outs] + [n for n in graph.nodes if _is_mutating(n)])
     need_w = _ancestors([by_name[n] for n in w_outs])
     w_nodes = [n for n in graph.nodes if n in need_w and n not in need_i and n.op != "placeholder"]
-    handed = [n for n in graph.nodes if n in need_i and n.op != "placeholder" and any(u in w_nodes for u in n.users)]
-    i_prog = _subprogram(("I", s), [n for n in graph.nodes if n in need_i], i_outs + [n.name for n in handed], by_name)
+    handed = [
+        n for n in graph.nodes if n in need_i and n.op != "placeholder" and any(u in w_nodes for u in n.users)
+    ]
+    i_prog = _subprogram(
+        ("I", s), [n for n in graph.nodes if n in need_i], i_outs + [n.name for n in handed], by_name
+    )
     w_prog = _subprogram(("W", s), w_nodes, w_outs, by_name)
     return i_prog, w_prog
 

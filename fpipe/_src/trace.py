@@ -23,7 +23,8 @@ import linecache
 import os
 import sys
 import traceback
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -192,7 +193,9 @@ class _Replay(fx.Interpreter):
         return super().call_function(target, args, kwargs)
 
 
-def trace_joint(call: str, fwd: Forward, fakes: Sequence[torch.Tensor], diff: list[int], has_aux: bool) -> Joint:
+def trace_joint(
+    call: str, fwd: Forward, fakes: Sequence[torch.Tensor], diff: list[int], has_aux: bool
+) -> Joint:
     """Trace value-and-grad of output 0 of `fwd` w.r.t. the flat inputs at positions `diff`.
 
     `fakes` are `[*params, *data, *consts, ct]`; the scalar `ct` scales the loss, so the graph
@@ -205,7 +208,9 @@ def trace_joint(call: str, fwd: Forward, fakes: Sequence[torch.Tensor], diff: li
 
         # Non-differentiated inputs go through grad_and_value as an argument, not a closure:
         # torch.func forbids mutating captured tensors (BatchNorm statistics are mutated).
-        def inner(primals: list[torch.Tensor], rest: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        def inner(
+            primals: list[torch.Tensor], rest: list[torch.Tensor]
+        ) -> tuple[torch.Tensor, list[torch.Tensor]]:
             p_it, r_it = iter(primals), iter(rest)
             full = [next(p_it) if i in diff_set else next(r_it) for i in range(len(inputs))]
             outs = _Replay(fwd.gm).run(*full)
@@ -221,7 +226,9 @@ def trace_joint(call: str, fwd: Forward, fakes: Sequence[torch.Tensor], diff: li
     return Joint(gm, fwd.n_params, fwd.n_data, len(fwd.consts), n_outs, list(diff))
 
 
-def make_fakes(tensors: Sequence[torch.Tensor], data_device: torch.device | None) -> tuple[FakeTensorMode, list[torch.Tensor]]:
+def make_fakes(
+    tensors: Sequence[torch.Tensor], data_device: torch.device | None
+) -> tuple[FakeTensorMode, list[torch.Tensor]]:
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     return mode, [fake_like(mode, t, data_device) for t in tensors]
 

@@ -12,6 +12,7 @@ Shapes and dtypes come from the traced program, identical on every rank: no per-
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import os
 import queue
 import threading
@@ -114,7 +115,7 @@ class SendReaper:
             works, tensors, what = self.queue.get()
             try:
                 if works is not None and self.error is None:
-                    self.pg.wait_all(works, self.timeout, lambda: what)
+                    self.pg.wait_all(works, self.timeout, functools.partial(str, what))
             except BaseException as err:  # surfaced by drain() on the main thread
                 self.error = err
             finally:

@@ -192,7 +192,7 @@ class _State:
             self.r.pg.wait_all(
                 list(works.values()),
                 self.r.timeout,
-                lambda a=a, peer=peer, idx=idx: self._waiting(a, peer, idx),
+                functools.partial(self._waiting, a, peer, idx),
             )
             for key in keys:
                 bundle = self.r.channels[peer][key[1]]

@@ -20,7 +20,8 @@ from .marker import BOUNDARY
 from .partition import auto_partition
 from .run import LocalRunner
 from .run_dist import DistRunner
-from .schedule import Schedule, build, names
+from .schedule import Schedule, build, names, stages_per_rank
+from .simulate import validate
 from .split import Staged, split, split_backward
 from .trace import Forward, Joint, make_fakes, trace_forward, trace_joint
 
@@ -225,7 +226,8 @@ class Pipelined:
         n_markers = len(fwd.gm.graph.find_nodes(op="call_function", target=BOUNDARY))
         stages = self.stages
         if stages is None and not n_markers and self.pg is not None:
-            stages = self.pg.size  # one stage per rank, chosen automatically
+            per = stages_per_rank(self.schedule) if isinstance(self.schedule, str) else 1
+            stages = self.pg.size * per  # the schedule's stages per rank, chosen automatically
         if stages is None or (n_markers and stages == n_markers + 1):
             return None
         if n_markers:
@@ -248,6 +250,7 @@ class Pipelined:
         else:
             pp = self.pg.size if self.pg is not None else None
             sched = build(s, pp=pp, microbatches=self.microbatches, stages=n_stages)
+        validate(sched)
         if self.pg is not None and sched.pp != self.pg.size:
             raise ValueError(
                 f"{self._call_str()}: the schedule has {sched.pp} ranks but the pipeline group has "

@@ -166,6 +166,11 @@ def register(name: str, *, stages_per_rank: int = 1) -> Callable[[Builder], Buil
     return deco
 
 
+def stages_per_rank(name: str) -> int:
+    """How many stages the registered schedule `name` places on each rank by default."""
+    return _STAGES_PER_RANK[name]
+
+
 def names() -> list[str]:
     """The registered schedule names, sorted."""
     return sorted(_BUILDERS)

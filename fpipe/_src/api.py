@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,7 +19,7 @@ from . import tree
 from .dist import DEFAULT_TIMEOUT, PeerFailure, PPGroup, pp_group
 from .marker import BOUNDARY
 from .partition import auto_partition
-from .run import LocalRunner
+from .run import LocalRunner, Timeline
 from .run_dist import DistRunner
 from .schedule import Schedule, build, names, stages_per_rank
 from .simulate import validate
@@ -324,7 +325,19 @@ class Pipelined:
         if ct is not None:
             glob[st.ct_input] = torch.tensor(ct, dtype=st.meta[st.ct_input][1], device=self._device(inp))
         data = [dict(zip(st.data_inputs, mb)) for mb in mbs]
-        return c.runner.run(glob, data)
+        results = c.runner.run(glob, data)
+        self._last = c
+        trace = os.environ.get("FPIPE_TRACE")
+        if trace:
+            c.runner.timeline.write(f"{trace}.rank{self.pg.rank if self.pg else 0}.json")
+        return results
+
+    @property
+    def timeline(self) -> Timeline | None:
+        """The last step's executed actions with timestamps (`.chrome()` gives trace JSON; set
+        FPIPE_TRACE=prefix to write `prefix.rankR.json` after every step)."""
+        last = getattr(self, "_last", None)
+        return last.runner.timeline if last is not None else None
 
     def _device(self, inp: _Inputs) -> torch.device:
         if self.pg is not None:

@@ -7,6 +7,8 @@ memory is exactly what its order implies (1F1B holds fewer microbatches than GPi
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,7 +18,41 @@ from torch.profiler import record_function
 from .schedule import Action, Schedule, execution_order
 from .split import Place, Staged
 
-__all__ = ["LocalRunner", "action_place"]
+__all__ = ["LocalRunner", "Timeline", "action_place", "execute"]
+
+
+class Timeline:
+    """What a real step executed: each action (and, across processes, each wait for a peer)
+    with its wall-clock start and end, per rank. `chrome()` is Chrome/Perfetto trace JSON."""
+
+    def __init__(self) -> None:
+        self.origin = time.perf_counter()
+        self.events: list[tuple[str, int, float, float, str]] = []  # name, rank, start, end, kind
+
+    def add(self, name: str, rank: int, start: float, end: float, kind: str = "action") -> None:
+        self.events.append((name, rank, start - self.origin, end - self.origin, kind))
+
+    def chrome(self) -> dict[str, Any]:
+        return {
+            "traceEvents": [
+                {"name": n, "cat": k, "ph": "X", "ts": s * 1e6, "dur": (e - s) * 1e6, "pid": r, "tid": 0}
+                for n, r, s, e, k in self.events
+            ],
+            "displayTimeUnit": "ms",
+        }
+
+    def write(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.chrome(), f)
+
+
+def execute(prog: Any, args: list[Any], a: Action, rank: int, timeline: Timeline) -> Any:
+    """Run one action's program, labelled for torch.profiler and recorded in the timeline."""
+    start = time.perf_counter()
+    with record_function(f"fpipe {a}"):
+        outs = prog.gm(*args)
+    timeline.add(str(a), rank, start, time.perf_counter())
+    return outs
 
 
 def action_place(a: Action) -> Place:
@@ -30,6 +66,7 @@ class LocalRunner:
         self.staged = staged
         self.schedule = schedule
         self.order = execution_order(schedule, self.deps)
+        self.timeline = Timeline()
         self.refcount = {name: len(places) for name, places in staged.consumers.items()}
         self._out_index: dict[Place, list[tuple[int, str]]] = {}
         for i, name in enumerate(staged.out_names):
@@ -50,6 +87,7 @@ class LocalRunner:
         """
         n_out = len(self.staged.out_names)
         results: list[list[Any]] = [[None] * n_out for _ in data]
+        self.timeline = Timeline()
         envs = [dict(d) for d in data]
         left = [dict(self.refcount) for _ in data]
         programs = self.staged.programs
@@ -59,8 +97,7 @@ class LocalRunner:
                 continue
             env, rem = envs[a.mb], left[a.mb]
             args = [env[n] if n in env else glob[n] for n in prog.inputs]
-            with record_function(f"fpipe {a}"):
-                outs = prog.gm(*args)
+            outs = execute(prog, args, a, self.schedule.stage_rank[a.stage], self.timeline)
             env.update(zip(prog.outputs, outs))
             del args, outs
             for i, name in self._out_index.get(prog.place, ()):

@@ -13,16 +13,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
 
 from .dist import PeerFailure, PPGroup, SendReaper
-from .run import action_place
+from .run import Timeline, action_place, execute
 from .schedule import Action, Schedule
 from .split import Place, Staged
 
@@ -47,6 +47,7 @@ class DistRunner:
         self._plan_recvs()
         self.local_refs = self._local_refcounts()
         self.reaper = SendReaper(pg, timeout)
+        self.timeline = Timeline()
         self._out_index: dict[Place, list[tuple[int, str]]] = defaultdict(list)
         for i, name in enumerate(staged.out_names):
             place = staged.producer.get(name)
@@ -109,6 +110,7 @@ class DistRunner:
     def run(self, glob: dict[str, torch.Tensor], data: Sequence[dict[str, torch.Tensor]]) -> list[list[Any]]:
         n_out = len(self.staged.out_names)
         results: list[list[Any]] = [[None] * n_out for _ in data]
+        self.timeline = Timeline()
         st = _State(self, data)
         try:
             for i, a in enumerate(self.actions):
@@ -116,7 +118,10 @@ class DistRunner:
                 st.post_recvs(a)
                 if i + 1 < len(self.actions):
                     st.post_recvs(self.actions[i + 1])
+                start = time.perf_counter()
                 st.wait_recvs(a)
+                if self.need[a]:
+                    self.timeline.add(f"wait {a}", self.rank, start, time.perf_counter(), "wait")
                 self._step(a, st, glob, results)
             self.reaper.drain()
         except (PeerFailure, TimeoutError):
@@ -138,8 +143,7 @@ class DistRunner:
             return
         env, rem = st.envs[a.mb], st.left[a.mb]
         args = [env[n] if n in env else glob[n] for n in prog.inputs]
-        with record_function(f"fpipe {a}"):
-            outs = prog.gm(*args)
+        outs = execute(prog, args, a, self.rank, self.timeline)
         env.update(zip(prog.outputs, outs))
         del args, outs
         for i, name in self._out_index.get(prog.place, ()):

@@ -19,6 +19,7 @@ from . import tree
 from .dist import DEFAULT_TIMEOUT, PeerFailure, PPGroup, pp_group
 from .marker import BOUNDARY
 from .partition import auto_partition
+from .rng import set_step
 from .run import LocalRunner, Timeline
 from .run_dist import DistRunner
 from .schedule import Schedule, build, names, stages_per_rank
@@ -99,6 +100,7 @@ class Pipelined:
         self.in_axes = in_axes
         self.out_axes = out_axes
         self._cache: dict[tuple[Any, ...], _Compiled] = {}
+        self._steps = 0
         functools.update_wrapper(self, f, updated=())
 
     @property
@@ -325,6 +327,8 @@ class Pipelined:
         if ct is not None:
             glob[st.ct_input] = torch.tensor(ct, dtype=st.meta[st.ct_input][1], device=self._device(inp))
         data = [dict(zip(st.data_inputs, mb)) for mb in mbs]
+        self._steps += 1
+        set_step(torch.initial_seed(), self._steps)
         results = c.runner.run(glob, data)
         self._last = c
         trace = os.environ.get("FPIPE_TRACE")

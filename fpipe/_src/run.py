@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
+from .rng import set_microbatch
 from .schedule import Action, Schedule, execution_order
 from .split import Place, Staged
 
@@ -48,6 +49,7 @@ class Timeline:
 
 def execute(prog: Any, args: list[Any], a: Action, rank: int, timeline: Timeline) -> Any:
     """Run one action's program, labelled for torch.profiler and recorded in the timeline."""
+    set_microbatch(a.mb)
     start = time.perf_counter()
     with record_function(f"fpipe {a}"):
         outs = prog.gm(*args)

@@ -31,6 +31,7 @@ import torch
 import torch.fx as fx
 
 from .marker import BOUNDARY, BOUNDARY_BWD
+from .rng import is_random, seeded
 from .trace import Joint
 
 __all__ = ["Place", "Program", "Staged", "split"]
@@ -123,6 +124,8 @@ class _Placer:
         self.output = self.nodes[-1]
         self.src: dict[fx.Node, fx.Node] = {}  # marker getitem -> its source value
         self.n_outs = joint.n_outs
+        randoms = [n for n in self.nodes if is_random(n.target)]
+        self.random_index = {n: i for i, n in enumerate(randoms)}
         self._number_markers()
 
     def _number_markers(self) -> None:
@@ -336,6 +339,10 @@ def _program(
             env[node] = arg(pl.src[node])
             continue
         env[node] = graph.node_copy(node, arg)
+        if is_random(node.target):  # NOTE [random-number policy] in rng.py
+            new = env[node]
+            new.args = (pl.random_index[node], node.target, *new.args)  # type: ignore[arg-type]
+            new.target = seeded
     returned = {v.name for v in out_vals if isinstance(v, fx.Node)}
     outputs = [
         n.name

@@ -1,0 +1,51 @@
+"""Random numbers in staged programs.
+
+# NOTE [random-number policy]
+Every random operation in a traced program (dropout's mask, `torch.rand`, ...) draws from a
+generator seeded by (base seed, step, microbatch, index of the operation in the traced
+program), not from the process's running generator. So a pipelined step gives the same numbers
+whatever the number of stages, the placement or the schedule, on every run with the same base
+seed, and ranks need no shared generator state. The base seed is `torch.initial_seed()` at each
+call (seed every rank alike with `torch.manual_seed`); the step counts the pipeline's calls.
+Changing the number of microbatches changes the shapes each operation draws, so those numbers
+differ (as they would in any framework). The unsplit function under torch.func draws from the
+running generator, so its dropout masks differ from fpipe's: compare with dropout off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+
+__all__ = ["is_random", "seeded", "set_step", "set_microbatch"]
+
+_state = {"base": 0, "step": 0, "mb": 0}
+
+
+def is_random(target: Any) -> bool:
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
+
+
+def set_step(base: int, step: int) -> None:
+    _state["base"], _state["step"] = base, step
+
+
+def set_microbatch(mb: int) -> None:
+    _state["mb"] = mb
+
+
+def _seed(index: int) -> int:
+    key = f"{_state['base']}:{_state['step']}:{_state['mb']}:{index}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & ((1 << 63) - 1)
+
+
+def seeded(index: int, op: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run the random `op` with a generator seeded for (step, microbatch, `index`)."""
+    devices = (
+        [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    )
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(_seed(index))
+        return op(*args, **kwargs)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -312,11 +313,35 @@ class Pipelined:
         inp = self._flatten(params, args, kwargs)
         mbs = self._split_data(inp)
         key = (inp.key(), grad_of, has_aux)
+        if self.pg is not None:
+            self._check_same_signature(key, inp)
         compiled = self._cache.get(key)
         if compiled is None:
             compiled = self._compile(inp, mbs[0], grad_of, has_aux)
             self._cache[key] = compiled
         return inp, mbs, compiled
+
+    def _check_same_signature(self, key: tuple[Any, ...], inp: _Inputs) -> None:
+        """Every rank must run the same program: compare the input signatures (one all-gather of
+        a hash per call) so different shapes on two ranks fail loudly instead of corrupting."""
+        pg = self.pg
+        assert pg is not None
+        digest = int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=7).digest(), "little")
+        mine = torch.tensor([digest], dtype=torch.int64, device=pg.device)
+        every = torch.empty(pg.size, dtype=torch.int64, device=pg.device)
+        dist.all_gather_into_tensor(every, mine, group=pg.group)
+        groups: dict[int, list[int]] = {}
+        for r, d in enumerate(every.tolist()):
+            groups.setdefault(d, []).append(r)
+        if len(groups) > 1:
+            ranks = sorted(groups.values(), key=len)
+            raise ValueError(
+                f"{self._call_str()}: ranks {ranks[0]} were called with inputs whose shapes, dtypes "
+                f"or structure differ from ranks {[r for g in ranks[1:] for r in g]}; every pipeline "
+                "rank must pass inputs of the same signature (a rank that does not use an input may "
+                "pass a meta tensor of the same shape). This rank's data shapes: "
+                f"{[tuple(t.shape) for t in inp.data_leaves]}."
+            )
 
     def _execute(
         self, inp: _Inputs, mbs: list[list[torch.Tensor]], c: _Compiled, ct: float | None

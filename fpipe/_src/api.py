@@ -90,8 +90,10 @@ class Pipelined:
         out_axes: Any,
         mesh: Any = None,
         timeout: float = DEFAULT_TIMEOUT,
+        compile: bool | dict[str, Any] = False,
     ) -> None:
         self.f = f
+        self.compile = compile
         self.mesh = mesh
         self.timeout = timeout
         self._pg: PPGroup | None | bool = False  # False: not looked up yet
@@ -205,6 +207,10 @@ class Pipelined:
         staged = split(call, joint, self.stages)
         sched = self._schedule(staged.n_stages)
         staged = self._split_backward(staged, sched)
+        if self.compile:
+            opts = self.compile if isinstance(self.compile, dict) else {}
+            for prog in staged.programs.values():
+                prog.gm = torch.compile(prog.gm, **opts)  # type: ignore[assignment]
         pg = self.pg
         runner: Any = (
             LocalRunner(staged, sched) if pg is None else DistRunner(staged, sched, pg, self.timeout)
@@ -665,6 +671,7 @@ def pipeline(
     out_axes: Any = None,
     mesh: Any = None,
     timeout: float = DEFAULT_TIMEOUT,
+    compile: bool | dict[str, Any] = False,
 ) -> Pipelined:
     """Cut `f` into pipeline stages and run it over microbatches.
 
@@ -686,6 +693,9 @@ def pipeline(
             `schedule.stage_rank[s]`. Without a process group every stage runs in this process.
         timeout: seconds a rank waits for a peer before failing with an error naming the peer
             and the action it waited on (a peer that is alive but stopped or stuck).
+        compile: compile every stage program with `torch.compile` (True, or a dict of its
+            keyword arguments). Off by default: on CPU it costs about a minute per program on
+            a small machine and gave no speed-up (see docs/BENCHMARKS.md); try it on GPU.
 
     Returns:
         A `Pipelined` callable with `f`'s signature; use it under `fpipe.value_and_grad`,
@@ -718,7 +728,7 @@ def pipeline(
         )
     return Pipelined(
         f, stages=stages, microbatches=microbatches, schedule=schedule, in_axes=in_axes, out_axes=out_axes,
-        mesh=mesh, timeout=timeout,
+        mesh=mesh, timeout=timeout, compile=compile,
     )  # fmt: skip
 
 

@@ -24,8 +24,15 @@ __all__ = ["is_random", "seeded", "set_step", "set_microbatch"]
 _state = {"base": 0, "step": 0, "mb": 0}
 
 
-def is_random(target: Any) -> bool:
-    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
+def is_random(target: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> bool:
+    """Does this call draw random numbers? Attention with `dropout_p=0` does not."""
+    if not (isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags):
+        return False
+    for i, arg in enumerate(target._schema.arguments):
+        if arg.name == "dropout_p":
+            value = (kwargs or {}).get("dropout_p", args[i] if i < len(args) else arg.default_value)
+            return not (isinstance(value, (int, float)) and value == 0)
+    return True
 
 
 def set_step(base: int, step: int) -> None:

@@ -124,7 +124,7 @@ class _Placer:
         self.output = self.nodes[-1]
         self.src: dict[fx.Node, fx.Node] = {}  # marker getitem -> its source value
         self.n_outs = joint.n_outs
-        randoms = [n for n in self.nodes if is_random(n.target)]
+        randoms = [n for n in self.nodes if is_random(n.target, n.args, n.kwargs)]
         self.random_index = {n: i for i, n in enumerate(randoms)}
         self._number_markers()
 
@@ -339,7 +339,7 @@ def _program(
             env[node] = arg(pl.src[node])
             continue
         env[node] = graph.node_copy(node, arg)
-        if is_random(node.target):  # NOTE [random-number policy] in rng.py
+        if node in pl.random_index:  # NOTE [random-number policy] in rng.py
             new = env[node]
             new.args = (pl.random_index[node], node.target, *new.args)  # type: ignore[arg-type]
             new.target = seeded

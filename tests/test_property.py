@@ -1,0 +1,141 @@
+"""Property: for random DAG-shaped functions and random cuts, pipelined = unsplit (fp64).
+
+A program is a list of nodes over a batch of row vectors. Node 0 is the input `x`; each later node
+applies tanh / sin / mul / add / matmul / bias / scale to one or two random earlier nodes (often far
+back, so skip connections cross several stages) and random parameters (the same parameter is
+often read by several stages). Every op acts row by row and the loss is a mean over rows, so the
+mean over microbatches is the full-batch loss. Boundaries go at random positions, on the whole
+live set (as a list) or on a single value; or there are none and fpipe cuts `stages=S` itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from models import assert_trees_close, compiled
+
+import fpipe
+
+D = 3
+BATCH = 8
+DT = torch.float64
+UNARY = ("tanh", "sin")
+BINARY = ("mul", "add")
+WITH_PARAM = ("matmul", "bias", "scale")
+
+
+@dataclasses.dataclass(frozen=True)
+class Node:
+    op: str
+    a: int
+    b: int = -1  # second operand (binary ops)
+    p: int = -1  # parameter index (ops with a parameter)
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    nodes: tuple[Node, ...]  # node i + 1 is nodes[i]; node 0 is x
+    n_params: int
+    cuts: tuple[tuple[int, str], ...]  # (after how many nodes, "live" | "single")
+    out: tuple[int, ...]  # nodes summed into the loss
+    auto_stages: int | None
+
+    def liveness(self) -> list[int]:
+        """Last reader of each node (a node index, or len + 1 for the loss)."""
+        last = list(range(len(self.nodes) + 1))
+        for i, n in enumerate(self.nodes, 1):
+            for j in (n.a, n.b):
+                if j >= 0:
+                    last[j] = max(last[j], i)
+        for j in self.out:
+            last[j] = len(self.nodes) + 1
+        return last
+
+
+@st.composite
+def programs(draw) -> Program:
+    n_params = draw(st.integers(1, 3))
+    n_nodes = draw(st.integers(2, 9))
+    nodes = []
+    for i in range(1, n_nodes + 1):
+        op = draw(st.sampled_from(UNARY + BINARY + WITH_PARAM))
+        a = draw(st.integers(0, i - 1))
+        b = draw(st.integers(0, i - 1)) if op in BINARY else -1
+        p = draw(st.integers(0, n_params - 1)) if op in WITH_PARAM else -1
+        nodes.append(Node(op, a, b, p))
+    out = tuple(sorted(draw(st.sets(st.integers(1, n_nodes), min_size=1, max_size=3)) | {n_nodes}))
+    auto = draw(st.booleans())
+    if auto:
+        return Program(tuple(nodes), n_params, (), out, draw(st.integers(1, min(3, n_nodes))))
+    positions = draw(st.lists(st.integers(1, n_nodes), max_size=3))
+    cuts = tuple((pos, draw(st.sampled_from(["live", "single"]))) for pos in sorted(positions))
+    return Program(tuple(nodes), n_params, cuts, out, None)
+
+
+def _apply(node: Node, vals: list[torch.Tensor], params: dict[str, torch.Tensor]) -> torch.Tensor:
+    a = vals[node.a]
+    if node.op == "tanh":
+        return torch.tanh(a)
+    if node.op == "sin":
+        return torch.sin(a)
+    if node.op == "mul":
+        return a * vals[node.b]
+    if node.op == "add":
+        return a + vals[node.b]
+    if node.op == "matmul":
+        return torch.tanh(a @ params[f"w{node.p}"])
+    if node.op == "bias":
+        return a + params[f"b{node.p}"]
+    return a * params[f"s{node.p}"]
+
+
+def make_fn(prog: Program, marked: bool):
+    last = prog.liveness()
+
+    def f(params, x):
+        vals: list[torch.Tensor] = [x]
+        cuts = list(prog.cuts) if marked else []
+        for i, node in enumerate(prog.nodes, 1):
+            vals.append(_apply(node, vals, params))
+            while cuts and cuts[0][0] == i:
+                _, how = cuts.pop(0)
+                # The live set (the input included), or the newest value when nothing is live.
+                live = [j for j in range(i + 1) if last[j] > i] if how == "live" else []
+                live = live or [i]
+                for j, v in zip(live, fpipe.stage_boundary([vals[j] for j in live])):
+                    vals[j] = v
+        return sum(vals[j].pow(2).sum(-1).mean() for j in prog.out)
+
+    return f
+
+
+def make_params(prog: Program, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    params = {}
+    for p in range(prog.n_params):
+        params[f"w{p}"] = torch.randn(D, D, generator=g, dtype=DT) / D**0.5
+        params[f"b{p}"] = torch.randn(D, generator=g, dtype=DT)
+        params[f"s{p}"] = torch.randn(D, generator=g, dtype=DT)
+    return params
+
+
+@settings(max_examples=25, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    prog=programs(),
+    microbatches=st.sampled_from([1, 2, 4]),
+    schedule=st.sampled_from(["gpipe", "1f1b"]),
+    seed=st.integers(0, 2**16),
+)
+def test_random_dag_parity(prog, microbatches, schedule, seed):
+    params = make_params(prog, seed)
+    x = torch.randn(BATCH, D, generator=torch.Generator().manual_seed(seed + 1), dtype=DT)
+    ref_grads, ref_loss = torch.func.grad_and_value(make_fn(prog, marked=False))(params, x)
+    f = make_fn(prog, marked=prog.auto_stages is None)
+    piped = fpipe.pipeline(f, stages=prog.auto_stages, microbatches=microbatches, schedule=schedule)
+    loss, grads = fpipe.value_and_grad(piped)(params, x)
+    assert_trees_close((loss, grads), (ref_loss, ref_grads))
+    expected = prog.auto_stages if prog.auto_stages is not None else len(prog.cuts) + 1
+    assert compiled(piped).staged.n_stages == expected

@@ -48,16 +48,6 @@ def piped(mlp):
     return fpipe.pipeline(f, stages=3, microbatches=4, schedule="1f1b")
 
 
-# fpipe bug: compiling while a torch.func transform is active (the first call of `piped` is under
-# torch.func.grad) traces a program whose inputs are captured as constants: zero gradients.
-COMPILE_UNDER_GRAD_BUG = pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="fpipe bug: compiling under torch.func.grad gives zero gradients",
-)
-
-
-@COMPILE_UNDER_GRAD_BUG
 def test_torch_func_grad_of_pipelined(mlp, piped, data):
     _, ref, params = mlp
     assert_trees_close(torch.func.grad(piped)(params, *data), torch.func.grad(ref)(params, *data))
@@ -70,9 +60,6 @@ def test_torch_func_grad_of_pipelined_compiled_outside(mlp, piped, data):
     assert_trees_close(torch.func.grad(piped)(params, *data), torch.func.grad(ref)(params, *data))
 
 
-@pytest.mark.xfail(
-    strict=True, raises=ValueError, reason="fpipe bug: compiling under torch.func.grad traces no data ops"
-)
 def test_torch_func_grad_of_pipelined_auto_partition(mlp, data):
     _, ref, params = mlp
     auto = fpipe.pipeline(ref, stages=3, microbatches=2, schedule="gpipe")
@@ -98,7 +85,6 @@ def test_vmap_over_stack_module_state(piped, data, mlp):
     assert_trees_close(got, torch.func.vmap(ref, in_dims=(0, None, None))(stacked, *data))
 
 
-@COMPILE_UNDER_GRAD_BUG
 def test_per_model_grads_of_an_ensemble(piped, data, mlp):
     """vmap(grad(piped)): each member's gradient, through the pipeline."""
     _, ref, _ = mlp
@@ -153,20 +139,12 @@ def _penalised(fn, lam=0.3):
     return f
 
 
-# fpipe bug: stage_boundary inside a torch.func.grad inside the pipelined function: trace_joint
-# replays the forward graph's boundary_bwd nodes as the raw custom op (RuntimeError: "In order to
-# use an autograd.Function with functorch transforms ... must override the setup_context").
-INNER_GRAD_BOUNDARY_BUG = pytest.mark.xfail(
-    strict=True, reason="fpipe bug: boundaries under an inner torch.func.grad fail to trace/split"
-)
-
-
 @pytest.mark.parametrize(
     ("stages", "microbatches", "schedule"),
     [
         (1, 2, "1f1b"),
-        pytest.param(3, 4, "1f1b", marks=INNER_GRAD_BOUNDARY_BUG),
-        pytest.param(3, 8, "gpipe", marks=INNER_GRAD_BOUNDARY_BUG),
+        (3, 4, "1f1b"),
+        (3, 8, "gpipe"),
     ],
 )
 def test_value_and_grad_of_a_gradient_penalty(data, stages, microbatches, schedule):

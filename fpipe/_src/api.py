@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 
 from . import tree
 from .dist import DEFAULT_TIMEOUT, PeerFailure, PPGroup, pp_group
@@ -25,7 +26,7 @@ from .run import LocalRunner, Timeline
 from .run_dist import DistRunner
 from .schedule import Schedule, build, names, stages_per_rank
 from .simulate import validate
-from .split import Staged, split, split_backward
+from .split import Staged, count_stages, split, split_backward
 from .trace import Forward, Joint, make_fakes, trace_forward, trace_joint
 
 __all__ = ["pipeline", "value_and_grad", "grad", "Pipelined"]
@@ -233,21 +234,22 @@ class Pipelined:
         return split_backward(staged, [s for s, k in kinds.items() if k & {"I", "W"}])
 
     def _cut(self, fwd: Forward) -> list[float] | None:
-        n_markers = len(fwd.gm.graph.find_nodes(op="call_function", target=BOUNDARY))
+        has_markers = bool(fwd.gm.graph.find_nodes(op="call_function", target=BOUNDARY))
         stages = self.stages
-        if stages is None and not n_markers and self.pg is not None:
+        if stages is None and not has_markers and self.pg is not None:
             per = stages_per_rank(self.schedule) if isinstance(self.schedule, str) else 1
             stages = self.pg.size * per  # the schedule's stages per rank, chosen automatically
-        if stages is None or (n_markers and stages == n_markers + 1):
+        if stages is None or stages == 1 and not has_markers:
             return None
-        if n_markers:
-            raise ValueError(
-                f"{self._call_str()}: stages={self.stages} but the function calls stage_boundary "
-                f"{n_markers} time(s), which makes {n_markers + 1} stages; pass stages="
-                f"{n_markers + 1} (or stages=None to follow the boundaries), or remove the "
-                "stage_boundary calls to let fpipe choose the cuts."
-            )
-        if stages == 1:
+        if has_markers:
+            found = count_stages(fwd.gm.graph)
+            if found != stages:
+                raise ValueError(
+                    f"{self._call_str()}: stages={stages} but the function's stage_boundary calls "
+                    f"make {found} stages (the most boundaries on one path from the inputs); pass "
+                    f"stages={found} (or stages=None to follow the boundaries), or remove the "
+                    "stage_boundary calls to let fpipe choose the cuts."
+                )
             return None
         return auto_partition(self._call_str(), fwd, stages)
 
@@ -323,7 +325,10 @@ class Pipelined:
             self._check_same_signature(key, inp)
         compiled = self._cache.get(key)
         if compiled is None:
-            compiled = self._compile(inp, mbs[0], grad_of, has_aux)
+            # Trace outside any active torch.func transform (grad(piped), vmap(piped)): the
+            # program is a function of its inputs, whatever transform later runs it.
+            with temporarily_clear_interpreter_stack():
+                compiled = self._compile(inp, mbs[0], grad_of, has_aux)
             self._cache[key] = compiled
         return inp, mbs, compiled
 

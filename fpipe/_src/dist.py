@@ -84,7 +84,8 @@ class PPGroup:
 
     def _raise_for(self, err: BaseException, timeout: float, what: str) -> None:
         msg = self.failure()
-        if msg is None and "timeout" in str(err).lower():
+        text_err = str(err).lower()
+        if msg is None and ("timeout" in text_err or "timed out" in text_err):
             text = (
                 f"fpipe rank {self.rank}: timed out after {timeout:g} s {what}; that rank is not "
                 "responding (stopped, stuck, or far slower). Raise pipeline(..., timeout=...) if "
@@ -92,6 +93,10 @@ class PPGroup:
             )
             self.report_failure(text)
             raise TimeoutError(text) from err
+        if msg is None:  # the first to see a peer vanish says so, for ranks further away
+            self.report_failure(
+                f"rank {self.rank} lost its peer while {what}; that peer crashed or was killed ({err})"
+            )
         reason = msg or f"the peer closed the connection; did it crash or get killed? ({err})"
         raise PeerFailure(f"fpipe rank {self.rank}: stopping while {what}: {reason}") from err
 

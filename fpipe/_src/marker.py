@@ -94,6 +94,11 @@ def boundary_apply(xs: list[torch.Tensor]) -> list[torch.Tensor]:
     return list(_Boundary.apply(*xs))
 
 
+def boundary_bwd_apply(gs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Apply the differentiable backward marker (replaying a graph that took a gradient)."""
+    return list(_BoundaryBwd.apply(*gs))
+
+
 def stage_boundary(x: Any) -> Any:
     """End one pipeline stage and begin the next.
 

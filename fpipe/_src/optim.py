@@ -38,10 +38,15 @@ def clip_grad_norm_(
     leaves, _ = tree.flatten(grads)
     owned = _owned_leaves(grads, pipeline) if pg is not None else [g for g in leaves if g is not None]
     device = leaves[0].device if leaves else torch.device("cpu")
+    dtype = torch.float64 if any(g.dtype == torch.float64 for g in owned) else torch.float32
     if norm_type == math.inf:
-        local = max((g.abs().max() for g in owned), default=torch.zeros((), device=device)).float()
+        local = max(
+            (g.abs().max().to(dtype) for g in owned), default=torch.zeros((), dtype=dtype, device=device)
+        )
     else:
-        local = sum((g.float().pow(norm_type).sum() for g in owned), torch.zeros((), device=device))
+        local = sum(
+            (g.to(dtype).pow(norm_type).sum() for g in owned), torch.zeros((), dtype=dtype, device=device)
+        )
     if pg is not None:
         local = local.to(pg.device)
         dist.all_reduce(

@@ -92,17 +92,16 @@ class Staged:
         return "\n".join(lines)
 
 
-def _marker_getitem(node: fx.Node) -> tuple[str, int, fx.Node] | None:
-    """For `getitem(marker, i)`: (kind, boundary node, source of element i)."""
+def _marker_getitem(node: fx.Node) -> tuple[str, fx.Node] | None:
+    """For `getitem(marker, i)`: the marker's kind ("F" or "B") and the source of element i."""
     if node.op != "call_function" or node.target is not operator.getitem:
         return None
     parent = node.args[0]
     if not isinstance(parent, fx.Node) or parent.target not in (BOUNDARY, BOUNDARY_BWD):
         return None
-    kind = "F" if parent.target is BOUNDARY else "B"
     src = parent.args[0][node.args[1]]  # type: ignore[index]
     assert isinstance(src, fx.Node)
-    return kind, 0, src
+    return ("F" if parent.target is BOUNDARY else "B"), src
 
 
 def _is_mutating(node: fx.Node) -> bool:
@@ -110,68 +109,103 @@ def _is_mutating(node: fx.Node) -> bool:
     return bool(schema is not None and schema.is_mutable)
 
 
+def _is_marker(node: fx.Node) -> bool:
+    return node.target in (BOUNDARY, BOUNDARY_BWD)
+
+
+def forward_stages(graph: fx.Graph, backward: set[fx.Node] | None = None) -> dict[fx.Node, int]:
+    """The stage of every forward value: the most boundaries on any path from the inputs to it.
+
+    A boundary's output is one stage above its input; any other value is at the highest stage
+    of its inputs; values that depend only on inputs have no stage (absent). A *backward* marker
+    met in forward work (a `torch.func.grad` inside the function differentiates through a
+    boundary) is the identity: forward work never flows back to a lower stage.
+    """
+    backward = backward or set()
+    stage: dict[fx.Node, int] = {}
+    for node in graph.nodes:
+        if node in backward or node.op != "call_function" or _is_marker(node):
+            continue
+        mg = _marker_getitem(node)
+        if mg is not None and mg[0] == "F":
+            stage[node] = stage.get(mg[1], 0) + 1
+            continue
+        ins = [stage[d] for d in ([mg[1]] if mg else node.all_input_nodes) if d in stage]
+        if ins:
+            stage[node] = max(ins)
+    return stage
+
+
+def count_stages(graph: fx.Graph) -> int:
+    return max(forward_stages(graph).values(), default=0) + 1
+
+
 class _Placer:
-    def __init__(self, call: str, joint: Joint, n_stages_hint: int | None) -> None:
+    def __init__(self, call: str, joint: Joint) -> None:
         self.call = call
         self.graph = joint.gm.graph
         self.nodes = list(self.graph.nodes)
-        self.markers = [n for n in self.nodes if n.target is BOUNDARY]
-        self.bwd_markers = [n for n in self.nodes if n.target is BOUNDARY_BWD]
-        self.n_stages = len(self.markers) + 1
         self.index = {n: i for i, n in enumerate(self.nodes)}
         self.place: dict[fx.Node, Place] = {}
         self.free_places: dict[fx.Node, list[Place]] = {}
         self.output = self.nodes[-1]
         self.src: dict[fx.Node, fx.Node] = {}  # marker getitem -> its source value
+        self.identity: set[fx.Node] = set()  # marker getitems that do not change the stage
         self.n_outs = joint.n_outs
         randoms = [n for n in self.nodes if is_random(n.target, n.args, n.kwargs)]
         self.random_index = {n: i for i, n in enumerate(randoms)}
-        self._number_markers()
-
-    def _number_markers(self) -> None:
-        self.fwd_index = {m: k for k, m in enumerate(self.markers)}
-        # Backward marker k is the transpose of forward marker k; backward runs in reverse order.
-        self.bwd_index = {m: len(self.markers) - 1 - k for k, m in enumerate(self.bwd_markers)}
-        if len(self.bwd_markers) > len(self.markers):
-            raise AssertionError("more backward than forward markers")
 
     def deps(self, node: fx.Node) -> list[fx.Node]:
         if node in self.src:
             return [self.src[node]]
-        return [d for d in node.all_input_nodes if d.target not in (BOUNDARY, BOUNDARY_BWD)]
+        return [d for d in node.all_input_nodes if not _is_marker(d)]
+
+    def _closure(self, roots: set[fx.Node]) -> set[fx.Node]:
+        """Nodes that depend on any of `roots` (through markers too)."""
+        out = set(roots)
+        for node in self.nodes:
+            if node.op == "call_function" and not _is_marker(node) and any(d in out for d in self.deps(node)):
+                out.add(node)
+        return out
 
     def run(self, joint: Joint) -> None:
         phs = [n for n in self.nodes if n.op == "placeholder"]
         ct = phs[-1]
-        free: list[fx.Node] = []
-        data = set(phs[joint.n_params : joint.n_params + joint.n_data])
-        self.data_dep = data
         for node in self.nodes:
-            if any(d in data for d in self.deps(node)) if node.op == "call_function" else False:
-                data.add(node)
-            if node.op == "output" or node.target in (BOUNDARY, BOUNDARY_BWD):
-                continue
-            if node is ct:
-                self.place[node] = ("B", self.n_stages - 1)
-                continue
-            if node.op == "placeholder":
-                free.append(node)
-                continue
             mg = _marker_getitem(node)
             if mg is not None:
-                self._place_marker_output(node, mg)
-                continue
-            ins = [self.place.get(d) for d in self.deps(node)]
-            bwd = [p[1] for p in ins if p is not None and p[0] == "B"]
-            fwd = [p[1] for p in ins if p is not None and p[0] == "F"]
-            if bwd:
-                self.place[node] = ("B", min(bwd))
-            elif fwd:
-                self.place[node] = ("F", max(fwd))
-            else:
-                free.append(node)
+                self.src[node] = mg[1]
+        self.data_dep = self._closure(set(phs[joint.n_params : joint.n_params + joint.n_data]))
+        backward = self._closure({ct})
+        fstage = forward_stages(self.graph, backward)
+        self.n_stages = max(fstage.values(), default=0) + 1
+        for node, s in fstage.items():
+            self.place[node] = ("F", s)
+            mg = _marker_getitem(node)
+            if mg is not None and mg[0] == "B":
+                self.identity.add(node)
+        self.place[ct] = ("B", self.n_stages - 1)
+        for node in self.nodes:
+            if node in backward and node is not ct and not _is_marker(node):
+                self._place_backward(node)
+        free = [
+            n for n in self.nodes if n.op == "call_function" and not _is_marker(n) and n not in self.place
+        ]
         self._place_free(free)
         self._colocate_getitems()
+
+    def _place_backward(self, node: fx.Node) -> None:
+        """Backward work runs at the lowest stage of its backward inputs; a backward marker's
+        output is one stage below its input (the transpose of a boundary)."""
+        ins = [self.place[d][1] for d in self.deps(node) if d in self.place and self.place[d][0] == "B"]
+        stage = min(ins)
+        mg = _marker_getitem(node)
+        if mg is not None and mg[0] == "B":
+            stage -= 1
+            assert stage >= 0, f"backward marker below stage 0 at {node}"
+        elif mg is not None:
+            self.identity.add(node)  # a forward marker in backward work: grad-of-grad
+        self.place[node] = ("B", stage)
 
     def _colocate_getitems(self) -> None:
         """An element of a multi-output node is taken where the node runs: tuples never cross."""
@@ -186,29 +220,12 @@ class _Placer:
                 self.free_places[node] = self.free_places[parent]  # type: ignore[index]
                 self.place.pop(node, None)
 
-    def _place_marker_output(self, node: fx.Node, mg: tuple[str, int, fx.Node]) -> None:
-        kind, _, src = mg
-        parent = node.args[0]
-        self.src[node] = src
-        if kind == "F":
-            k = self.fwd_index[parent]  # type: ignore[index]
-            src_place = self.place.get(src)
-            if src_place is not None and src_place[1] > k:
-                raise ValueError(
-                    f"{self.call}: stage_boundary call {k} receives a value computed in stage "
-                    f"{src_place[1]}, after boundary {src_place[1] - 1}; boundaries must be called "
-                    "in the order the function computes them."
-                )
-            self.place[node] = ("F", k + 1)
-        else:
-            self.place[node] = ("B", self.bwd_index[parent])  # type: ignore[index]
-
     def _consumer_places(self, node: fx.Node) -> list[Place]:
         out: list[Place] = []
         for user in node.users:
             if user is self.output:
                 out.append(self._output_place(node))
-            elif user.target in (BOUNDARY, BOUNDARY_BWD):
+            elif _is_marker(user):
                 out.extend(self._consumer_places_of_marker_input(user, node))
             elif user in self.place:
                 out.append(self.place[user])
@@ -217,10 +234,18 @@ class _Placer:
         return out
 
     def _consumer_places_of_marker_input(self, marker: fx.Node, node: fx.Node) -> list[Place]:
-        # What feeds boundary k is computed before it: forward on stage k, backward on stage k + 1.
-        if marker.target is BOUNDARY:
-            return [("F", self.fwd_index[marker])]
-        return [("B", self.bwd_index[marker] + 1)]
+        """What feeds a boundary is computed before it: one stage below its forward output, or
+        one above its backward output; what feeds an identity marker, where that is read."""
+        out: list[Place] = []
+        for g in marker.users:
+            if self.src.get(g) is not node:
+                continue
+            if g in self.identity or g not in self.place:
+                out.extend(self.places_of(g) or self._consumer_places(g))
+            else:
+                kind, stage = self.place[g]
+                out.append((kind, stage - 1 if kind == "F" else stage + 1))
+        return out
 
     def _output_place(self, node: fx.Node) -> Place:
         outs = self.output.args[0]
@@ -255,7 +280,7 @@ class _Placer:
 
 def split(call: str, joint: Joint, stages: int | None) -> Staged:
     """Cut `joint` at its markers into forward and backward programs per stage."""
-    placer = _Placer(call, joint, stages)
+    placer = _Placer(call, joint)
     placer.run(joint)
     return _build(placer, joint)
 
@@ -265,7 +290,7 @@ def _build(pl: _Placer, joint: Joint) -> Staged:
     inputs = {n.name for n in phs}
     by_place: dict[Place, list[fx.Node]] = defaultdict(list)
     for node in pl.nodes:
-        if node.op in ("placeholder", "output") or node.target in (BOUNDARY, BOUNDARY_BWD):
+        if node.op in ("placeholder", "output") or _is_marker(node):
             continue
         for p in pl.places_of(node):
             by_place[p].append(node)

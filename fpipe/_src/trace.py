@@ -38,7 +38,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._python_dispatch import _disable_current_modes
 
 from . import tree
-from .marker import BOUNDARY, boundary_apply
+from .marker import BOUNDARY, BOUNDARY_BWD, boundary_apply, boundary_bwd_apply
 
 __all__ = ["Forward", "Joint", "trace_forward", "trace_joint", "fake_like"]
 
@@ -190,6 +190,8 @@ class _Replay(fx.Interpreter):
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
         if target is BOUNDARY:
             return boundary_apply(list(args[0]))
+        if target is BOUNDARY_BWD:  # the function took a gradient through a boundary itself
+            return boundary_bwd_apply(list(args[0]))
         return super().call_function(target, args, kwargs)
 
 

@@ -42,7 +42,7 @@ def test_batch_not_divisible_by_microbatches(model, batch, microbatches, suggest
     _, params, loss = model
     piped = fpipe.pipeline(loss, microbatches=microbatches)
     msg = (
-        f"pipeline(loss, microbatches={microbatches}): batch size {batch} of argument args[0] (dim 0) is not "
+        f"pipeline(loss, microbatches={microbatches}): batch size {batch} of argument 'x' (dim 0) is not "
         f"divisible by microbatches={microbatches}; use a batch that is a multiple of {microbatches} or "
         f"microbatches={suggested}."
     )
@@ -59,7 +59,7 @@ def test_batch_not_divisible_names_a_keyword_argument():
     piped = fpipe.pipeline(f, microbatches=4)
     w, x = torch.ones(2, 2, dtype=DT), torch.ones(8, 2, dtype=DT)
     msg = (
-        "pipeline(f, microbatches=4): batch size 6 of argument kwargs['mask'] (dim 0) is not divisible by "
+        "pipeline(f, microbatches=4): batch size 6 of argument 'mask' (dim 0) is not divisible by "
         "microbatches=4; use a batch that is a multiple of 4 or microbatches=3."
     )
     with _raises(ValueError, msg):
@@ -80,9 +80,10 @@ def test_stages_disagree_with_boundaries(model, stages):
     _, params, loss = model
     piped = fpipe.pipeline(loss, stages=stages, microbatches=2)
     msg = (
-        f"pipeline(loss, stages={stages}, microbatches=2): stages={stages} but the function calls "
-        "stage_boundary 2 time(s), which makes 3 stages; pass stages=3 (or stages=None to follow the "
-        "boundaries), or remove the stage_boundary calls to let fpipe choose the cuts."
+        f"pipeline(loss, stages={stages}, microbatches=2): stages={stages} but the function's "
+        "stage_boundary calls make 3 stages (the most boundaries on one path from the inputs); pass "
+        "stages=3 (or stages=None to follow the boundaries), or remove the stage_boundary calls to let "
+        "fpipe choose the cuts."
     )
     with _raises(ValueError, msg):
         fpipe.value_and_grad(piped)(params, *_xy(8))
@@ -90,7 +91,7 @@ def test_stages_disagree_with_boundaries(model, stages):
 
 def _non_tensor_message(leaf: int, type_name: str) -> str:
     return (
-        f"stage_boundary(x): leaf {leaf} of x is a {type_name}, not a tensor; only tensors can cross a stage "
+        f"stage_boundary(x): leaf {leaf} of x is {'an' if type_name[0] in 'aeiou' else 'a'} {type_name}, not a tensor; only tensors can cross a stage "
         "boundary. Pass the non-tensor values around the boundary (they are constants of the traced "
         "program) or convert them with torch.as_tensor."
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import inspect
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -153,7 +154,7 @@ class Pipelined:
 
     def _split_data(self, inp: _Inputs) -> list[list[torch.Tensor]]:
         m = self.microbatches
-        names = _leaf_names(inp.data_spec, inp.is_tensor)
+        names = _leaf_names(self.f, inp.data_spec, inp.is_tensor)
         chunks = []
         for j, (t, axis) in enumerate(zip(inp.data_leaves, inp.axes)):
             if axis is None:
@@ -600,16 +601,28 @@ def _reduce(per_mb: list[list[torch.Tensor]], reductions: Sequence[str | int]) -
     return out
 
 
-def _leaf_names(spec: Any, is_tensor: list[bool]) -> list[str]:
-    """Readable names ('tokens', 'args[1]', "kwargs['mask']") of the tensor leaves of (args, kwargs)."""
+def _leaf_names(f: Callable[..., Any], spec: Any, is_tensor: list[bool]) -> list[str]:
+    """Readable names of the tensor leaves of (args, kwargs): 'tokens', "batch['ids']", 'mask'."""
     import torch.utils._pytree as py
 
+    try:
+        params = list(inspect.signature(f).parameters.values())[1:]
+        positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        positional = []
     template = tree.unflatten(list(range(len(is_tensor))), spec)
     paths, _ = py.tree_flatten_with_path(template)
     names = []
     for (path, _), t in zip(paths, is_tensor):
-        if t:
-            names.append(("args" if path[0].idx == 0 else "kwargs") + "".join(str(k) for k in path[1:]))  # type: ignore[attr-defined]
+        if not t:
+            continue
+        head, rest = path[1], "".join(str(k) for k in path[2:])
+        if path[0].idx == 1:  # type: ignore[attr-defined]
+            root = str(head.key)  # type: ignore[attr-defined]
+        else:
+            i = head.idx  # type: ignore[attr-defined]
+            root = positional[i] if i < len(positional) else f"args[{i}]"
+        names.append(f"'{root}{rest}'")
     return names
 
 

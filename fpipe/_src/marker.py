@@ -16,6 +16,7 @@ stage program ever pays for that copy.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -129,11 +130,13 @@ def stage_boundary(x: Any) -> Any:
     bad = [(i, type(leaf).__name__) for i, leaf in enumerate(leaves) if not isinstance(leaf, torch.Tensor)]
     if bad:
         i, name = bad[0]
+        article = "an" if name[:1].lower() in "aeiou" else "a"
         raise ValueError(
-            f"stage_boundary(x): leaf {i} of x is a {name}, not a tensor; only tensors can cross "
+            f"stage_boundary(x): leaf {i} of x is {article} {name}, not a tensor; only tensors can cross "
             "a stage boundary. Pass the non-tensor values around the boundary (they are "
             "constants of the traced program) or convert them with torch.as_tensor."
         )
     if not leaves:
+        warnings.warn("stage_boundary(x): x holds no tensors, so no boundary is made.", stacklevel=2)
         return x
     return tree.unflatten(boundary_apply(leaves), spec)

@@ -1,0 +1,173 @@
+"""Train a small character-level GPT with pipeline parallelism, in plain torch plus fpipe.
+
+The corpus is the Python standard library's own source code: the first `--corpus-mib` MiB of the
+top-level `*.py` files under `sysconfig.get_paths()["stdlib"]`, concatenated in sorted order and
+read as raw bytes (vocabulary 256). Every machine with Python has it, so nothing is downloaded,
+and it is the same on every rank and every run of one Python version.
+
+The same script runs in one process (all stages local) and under torchrun (one stage per rank):
+
+    python examples/train_gpt.py                                     # 2 stages in this process
+    torchrun --standalone --nproc-per-node 4 examples/train_gpt.py   # 4 ranks, 1 stage each
+
+The model knows nothing about pipelines; the training loop is ordinary: fpipe only turns the loss
+function into a pipelined one whose `value_and_grad` returns this rank's gradients.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fpipe
+
+
+# -- the model: nanoGPT-style, nothing pipeline-specific in it -------------------------------------
+class Embedding(nn.Embedding):
+    def reset_parameters(self) -> None:  # GPT-2's init; `materialize` calls reset_parameters()
+        nn.init.normal_(self.weight, std=0.02)
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.attn, self.proj = nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.ln2, self.fc, self.out = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        qkv = self.attn(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each (b, heads, t, d_head)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab: int, seq: int, d: int, layers: int, heads: int) -> None:
+        super().__init__()
+        self.tok, self.pos = Embedding(vocab, d), Embedding(seq, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(d)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return F.linear(self.ln(x), self.tok.weight)  # LM head tied to the token embedding
+
+
+# -- data ------------------------------------------------------------------------------------------
+def corpus(mib: float) -> torch.Tensor:
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    text = b"".join(f.read_bytes() for f in files)[: int(mib * 2**20)]
+    return torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+
+
+def get_batch(data: torch.Tensor, args: argparse.Namespace, gen: torch.Generator, device: torch.device):
+    starts = torch.randint(len(data) - args.seq - 1, (args.batch, 1), generator=gen)
+    chunk = data[starts + torch.arange(args.seq + 1)].to(device)  # (batch, seq + 1)
+    return chunk[:, :-1], chunk[:, 1:]  # inputs and next-byte targets
+
+
+# -- a progress bar without dependencies -----------------------------------------------------------
+def progress(step: int, steps: int, loss: float, tok_s: float) -> None:
+    done = 30 * step // steps
+    bar = f"[{'=' * done}{' ' * (30 - done)}]"
+    line = f"step {step:>{len(str(steps))}}/{steps} {bar} loss {loss:.3f}, {tok_s:,.0f} tok/s"
+    if sys.stderr.isatty():
+        print("\r" + line, end="\n" if step == steps else "", file=sys.stderr, flush=True)
+    elif step == 1 or step == steps or step % max(1, steps // 10) == 0:
+        print(line, file=sys.stderr, flush=True)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--batch", type=int, default=32, help="sequences per step (all microbatches)")
+    p.add_argument("--seq", type=int, default=64, help="sequence length in bytes")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--schedule", default="1f1b", choices=fpipe.schedules.names())
+    p.add_argument("--stages", type=int, help="default: 2 in one process, 1 per rank under torchrun")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process on CPU")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--corpus-mib", type=float, default=2.0)
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    start = time.perf_counter()
+    launched = "LOCAL_RANK" in os.environ  # under torchrun: fpipe joins the process group itself
+    rank = int(os.environ.get("RANK", 0))
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    else:  # 1 by default: ranks share the cores, a microbatch's ops are too small to gain from
+        torch.set_num_threads(args.threads)  # more, and intra-op threads crawl on busy cores
+
+    data = corpus(args.corpus_mib)
+    gen = torch.Generator().manual_seed(args.seed)  # every rank draws the same batches
+    x, y = get_batch(data, args, gen, device)
+
+    with torch.device("meta"):  # no memory: each rank allocates only its own stage below
+        model = GPT(256, args.seq, args.d_model, args.layers, args.heads)
+    fn, params = fpipe.functionalize(model)
+
+    def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = fn(params, x)
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    stages = args.stages if args.stages or launched else 2
+    piped = fpipe.pipeline(loss_fn, stages=stages, microbatches=args.microbatches, schedule=args.schedule)
+    # Each rank initialises only the modules of its stages (reset_parameters, in module order)
+    # from the same seed: deterministic, but not the values a single-process `GPT(...)` would
+    # draw from this seed, and different for another number of stages.
+    torch.manual_seed(args.seed)
+    params = piped.materialize(model, x, y, device=device)
+    mine = {k: v for k, v in params.items() if not v.is_meta}
+    n_mine, n_all = (sum(v.numel() for v in d.values()) for d in (mine, params))
+    print(f"rank {rank}: {n_mine:,} of {n_all:,} parameters live here", file=sys.stderr, flush=True)
+    opt = torch.optim.AdamW(mine.values(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
+    step = fpipe.value_and_grad(piped)
+
+    losses, tokens_per_step, t0 = [], args.batch * args.seq, time.perf_counter()
+    for i in range(1, args.steps + 1):
+        loss, grads = step(params, x, y)
+        fpipe.clip_grad_norm_(grads, 1.0, pipeline=piped)
+        fpipe.set_grads(params, grads)
+        opt.step()  # set_grads replaces .grad each step: no zero_grad needed
+        x, y = get_batch(data, args, gen, device)
+        losses.append(loss.item())
+        if i == 1:  # the first step traces and splits the program: time the others apart
+            first, t0 = time.perf_counter() - t0, time.perf_counter()
+        if rank == 0:
+            progress(i, args.steps, losses[-1], (i - 1) * tokens_per_step / (time.perf_counter() - t0))
+
+    if rank == 0:
+        tok_s = (args.steps - 1) * tokens_per_step / (time.perf_counter() - t0)
+        print(
+            f"done: {args.steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}, {tok_s:,.0f} tok/s, "
+            f"first step {first:.1f} s (traces), wall {time.perf_counter() - start:.1f} s",
+            flush=True,
+        )
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -76,6 +76,7 @@ class _Compiled:
     diff: list[int]
     stage_costs: list[float] | None
     param_keys: list[Any]
+    local_params: list[int] | None = None
 
 
 class Pipelined:
@@ -340,10 +341,10 @@ class Pipelined:
         assert pg is not None
         digest = int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=7).digest(), "little")
         mine = torch.tensor([digest], dtype=torch.int64, device=pg.device)
-        every = torch.empty(pg.size, dtype=torch.int64, device=pg.device)
-        dist.all_gather_into_tensor(every, mine, group=pg.group)
+        every = [torch.empty_like(mine) for _ in range(pg.size)]
+        dist.all_gather(every, mine, group=pg.group)
         groups: dict[int, list[int]] = {}
-        for r, d in enumerate(every.tolist()):
+        for r, d in enumerate(int(t.item()) for t in every):
             groups.setdefault(d, []).append(r)
         if len(groups) > 1:
             ranks = sorted(groups.values(), key=len)
@@ -359,6 +360,7 @@ class Pipelined:
         self, inp: _Inputs, mbs: list[list[torch.Tensor]], c: _Compiled, ct: float | None
     ) -> list[list[Any]]:
         st = c.staged
+        self._check_local_params(inp, c)
         glob = dict(zip(st.param_inputs, inp.param_leaves))
         glob.update(zip(st.const_inputs, c.consts))
         if ct is not None:
@@ -372,6 +374,18 @@ class Pipelined:
         if trace:
             c.runner.timeline.write(f"{trace}.rank{self.pg.rank if self.pg else 0}.json")
         return results
+
+    def _check_local_params(self, inp: _Inputs, c: _Compiled) -> None:
+        if c.local_params is None:
+            c.local_params = sorted(self._local_inputs(c, c.staged.param_inputs))
+        meta = [i for i in c.local_params if inp.param_leaves[i].is_meta]
+        if meta:
+            names = [str(c.param_keys[i]) if c.param_keys else f"leaf {i}" for i in meta[:4]]
+            raise ValueError(
+                f"{self._call_str()}: parameter(s) {names} are on the meta device, but this rank's "
+                "stages use them. Pass the dict that piped.materialize(...) returned (the one from "
+                "functionalize still holds the meta tensors), or real tensors."
+            )
 
     @property
     def timeline(self) -> Timeline | None:
@@ -395,6 +409,7 @@ class Pipelined:
         module: torch.nn.Module,
         *args: Any,
         state_dict: dict[str, torch.Tensor] | None = None,
+        init: Callable[[torch.nn.Module], None] | None = None,
         device: torch.device | str | None = None,
         **kwargs: Any,
     ) -> dict[str, torch.Tensor]:
@@ -403,7 +418,10 @@ class Pipelined:
         Traces the pipeline with example inputs `args`/`kwargs` (real or meta tensors of the
         shapes the step will use) and the module's parameters as `functionalize` names them,
         then materialises only what this rank's stages read, initialised by the owning
-        modules' `reset_parameters()` or copied from `state_dict`.
+        modules' `reset_parameters()`, by `init(submodule)` (called on each submodule that owns
+        a materialised parameter, like `module.apply(init)`), or copied from `state_dict`.
+        Each submodule draws from a generator seeded by (`torch.initial_seed()`, its name), so
+        a module two ranks hold (a tied embedding) is initialised alike on both.
 
         Returns:
             The params dict to pass to the pipeline: this rank's entries are real tensors on
@@ -423,10 +441,26 @@ class Pipelined:
             if device is not None
             else (self.pg.device if self.pg else torch.device("cpu"))
         )
-        replaced = materialize_module(module, set(names), buffers, dev, state_dict)
+        replaced = materialize_module(module, set(names), buffers, dev, state_dict, init)
         for compiled in self._cache.values():
             compiled.consts[:] = remap(compiled.consts, replaced)
         return {n: p.detach() for n, p in module.named_parameters()}
+
+    @staticmethod
+    def local(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's entries of a params dict (those not on the meta device): what to give the
+        optimizer."""
+        return {k: v for k, v in params.items() if not v.is_meta}
+
+    @property
+    def local_stages(self) -> list[int]:
+        """The stages this rank runs (all of them in one process), from the last call."""
+        last = getattr(self, "_last", None) or next(iter(self._cache.values()), None)
+        if last is None:
+            return []
+        rank = self.pg.rank if self.pg is not None else None
+        stage_rank = last.runner.schedule.stage_rank
+        return [s for s, r in enumerate(stage_rank) if rank is None or r == rank]
 
     def _local_inputs(self, c: _Compiled, names: list[str]) -> set[int]:
         """Positions of the inputs in `names` that this rank's programs read."""

@@ -7,7 +7,9 @@ buffers its stages read: by the owning modules' own `reset_parameters`, or from 
 
 from __future__ import annotations
 
+import hashlib
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,6 +37,7 @@ def materialize_module(
     local_buffers: list[torch.Tensor],
     device: torch.device,
     state_dict: dict[str, torch.Tensor] | None,
+    init: Callable[[nn.Module], None] | None = None,
 ) -> dict[int, torch.Tensor]:
     """Allocate and initialise the named parameters and the given buffers on `device`.
 
@@ -60,7 +63,7 @@ def materialize_module(
         for sub, attr, _ in holders:
             setattr(sub, attr, new)
         replaced[key] = new
-    _initialise(module, owners, replaced, state_dict)
+    _initialise(module, owners, replaced, state_dict, init)
     return replaced
 
 
@@ -69,6 +72,7 @@ def _initialise(
     owners: dict[int, list[tuple[nn.Module, str, bool]]],
     replaced: dict[int, torch.Tensor],
     state_dict: dict[str, torch.Tensor] | None,
+    init: Callable[[nn.Module], None] | None,
 ) -> None:
     if state_dict is not None:
         full = {**dict(module.named_parameters()), **dict(module.named_buffers())}
@@ -77,18 +81,38 @@ def _initialise(
                 if any(t is r for r in replaced.values()) and name in state_dict:
                     t.copy_(state_dict[name])
         return
+    names = {id(sub): name for name, sub in module.named_modules()}
     subs = {id(sub): sub for key in replaced for sub, _, _ in owners[key]}
+    base = torch.initial_seed()
     with torch.no_grad():
-        for sub in subs.values():
-            reset = getattr(sub, "reset_parameters", None)
-            if callable(reset):
-                reset()
-            elif any(is_p for key in replaced for s, _, is_p in owners[key] if s is sub):
-                warnings.warn(
-                    f"materialize: {type(sub).__name__} has no reset_parameters(); its parameters "
-                    "are left uninitialised. Pass state_dict=... or give it reset_parameters().",
-                    stacklevel=3,
-                )
+        for key in sorted(subs, key=lambda k: names.get(k, "")):
+            sub = subs[key]
+            # NOTE [materialised initialisation]: each module draws from a generator seeded by
+            # its name, so a module held by two ranks (a tied embedding) gets the same values
+            # on both, whatever else each rank initialises first.
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(_name_seed(base, names.get(key, "")))
+                _init_one(sub, init, any(is_p for k in replaced for s, _, is_p in owners[k] if s is sub))
+
+
+def _name_seed(base: int, name: str) -> int:
+    digest = hashlib.blake2b(f"{base}:{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def _init_one(sub: nn.Module, init: Callable[[nn.Module], None] | None, has_params: bool) -> None:
+    if init is not None:
+        init(sub)
+        return
+    reset = getattr(sub, "reset_parameters", None)
+    if callable(reset):
+        reset()
+    elif has_params:
+        warnings.warn(
+            f"materialize: {type(sub).__name__} has no reset_parameters(); its parameters are left "
+            "uninitialised. Pass init=..., state_dict=..., or give it reset_parameters().",
+            stacklevel=4,
+        )
 
 
 def remap(values: list[Any], replaced: dict[int, torch.Tensor]) -> list[Any]:

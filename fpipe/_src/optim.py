@@ -34,6 +34,12 @@ def clip_grad_norm_(
         >>> g["w"]
         tensor([0.6000, 0.8000])
     """
+    if pipeline is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError(
+            "clip_grad_norm_(grads, max_norm): a process group is running, so the global norm "
+            "spans ranks; pass pipeline=piped (the Pipelined that produced grads) so every rank "
+            "clips by the same factor."
+        )
     pg = pipeline.pg if pipeline is not None else None
     leaves, _ = tree.flatten(grads)
     owned = _owned_leaves(grads, pipeline) if pg is not None else [g for g in leaves if g is not None]

@@ -5,8 +5,12 @@ Every node of the joint graph gets a place, a (kind, stage) pair, kind "F" (forw
 the skip connections and the saved activations: explicit names that the runtime owns.
 
 # NOTE [how nodes are placed]
-* The output of forward marker k (the k-th `stage_boundary` call) starts stage k + 1; the output of
-  backward marker k returns to stage k. The loss cotangent `ct` belongs to the last stage.
+* A boundary's output is one stage above its input, so a value's stage is the most boundaries on
+  any path from the inputs to it (a model applied to two inputs in parallel stages both alike);
+  the number of stages is one more than the highest. A backward marker's output is one stage
+  below its input. The loss cotangent `ct` belongs to the last stage. Markers met on the "wrong"
+  side -- a backward marker in forward work, when the function itself takes a gradient through a
+  boundary (a gradient penalty) -- are identities: forward work never flows to a lower stage.
 * A node that depends on `ct` is backward work, placed at the *lowest* stage of its backward
   inputs (gradients flow down). Any other node is forward work at the *highest* stage of its inputs.
 * A node that depends only on inputs is "free" and placed by its readers. One that depends only

@@ -84,15 +84,21 @@ def test_forward_call_records_forwards_only():
 def test_chrome_is_trace_event_json():
     piped, sched = step("zb-h1")
     trace = json.loads(json.dumps(piped.timeline.chrome()))  # plain JSON, nothing lost
-    events = trace["traceEvents"]
+    meta = [ev for ev in trace["traceEvents"] if ev["ph"] == "M"]
+    ranks = sorted({rank for _, rank, *_ in piped.timeline.events})
+    assert meta == [
+        {"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}} for r in ranks
+    ]
+    events = [ev for ev in trace["traceEvents"] if ev["ph"] != "M"]
     assert len(events) == len(piped.timeline.events)
+    base = piped.timeline.wall_origin * 1e6  # wall clock: files of several ranks line up
     for ev, (name, rank, start, end, kind) in zip(events, piped.timeline.events):
         # complete events ("ph": "X") with microsecond timestamps; one process per pipeline rank
         assert ev == {
             "name": name,
             "cat": kind,
             "ph": "X",
-            "ts": pytest.approx(start * 1e6),
+            "ts": pytest.approx(base + start * 1e6),
             "dur": pytest.approx((end - start) * 1e6),
             "pid": rank,
             "tid": 0,
@@ -196,6 +202,6 @@ def test_two_ranks_write_one_trace_file_each(two_ranks):
     for r in range(2):
         trace = json.loads((two_ranks / f"trace.rank{r}.json").read_text())
         events = json.loads((two_ranks / f"run.events.rank{r}.json").read_text())["events"]
-        assert [(e["name"], e["pid"], e["cat"]) for e in trace["traceEvents"]] == [
+        assert [(e["name"], e["pid"], e["cat"]) for e in trace["traceEvents"] if e["ph"] == "X"] == [
             (name, rank, kind) for name, rank, _, _, kind in events
         ]

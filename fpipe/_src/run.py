@@ -28,19 +28,24 @@ class Timeline:
 
     def __init__(self) -> None:
         self.origin = time.perf_counter()
+        self.wall_origin = time.time()  # shared by the processes of a host: traces line up
         self.events: list[tuple[str, int, float, float, str]] = []  # name, rank, start, end, kind
 
     def add(self, name: str, rank: int, start: float, end: float, kind: str = "action") -> None:
         self.events.append((name, rank, start - self.origin, end - self.origin, kind))
 
     def chrome(self) -> dict[str, Any]:
-        return {
-            "traceEvents": [
-                {"name": n, "cat": k, "ph": "X", "ts": s * 1e6, "dur": (e - s) * 1e6, "pid": r, "tid": 0}
-                for n, r, s, e, k in self.events
-            ],
-            "displayTimeUnit": "ms",
-        }
+        """Trace JSON; timestamps are wall-clock microseconds, so files of several ranks merge."""
+        base = self.wall_origin * 1e6
+        events: list[dict[str, Any]] = [
+            {"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}}
+            for r in sorted({e[1] for e in self.events})
+        ]
+        events += [
+            {"name": n, "cat": k, "ph": "X", "ts": base + s * 1e6, "dur": (e - s) * 1e6, "pid": r, "tid": 0}
+            for n, r, s, e, k in self.events
+        ]
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
 
     def write(self, path: str) -> None:
         with open(path, "w") as f:

@@ -176,6 +176,22 @@ def _check_mixed(sched: Schedule) -> str | None:
                 f"rank {sched.stage_rank[a.stage]} runs {a} and also {' and '.join(split)}: stage {a.stage}, "
                 f"microbatch {a.mb} must use either the full backward B or the pair I + W, not both."
             )
+    return _check_one_backward_kind(sched)
+
+
+def _check_one_backward_kind(sched: Schedule) -> str | None:
+    """fpipe compiles one backward per stage: B, or I and W -- the same for every microbatch."""
+    kinds: dict[int, dict[str, Action]] = {}
+    for a in sched.actions():
+        if a.kind != "F":
+            kinds.setdefault(a.stage, {}).setdefault("B" if a.kind == "B" else "IW", a)
+    for stage, seen in sorted(kinds.items()):
+        if len(seen) == 2:
+            return (
+                f"rank {sched.stage_rank[stage]} runs {seen['B']} and {seen['IW']}: stage {stage} must use "
+                "the same backward for every microbatch (B for all, or I + W for all); fpipe compiles "
+                "one backward per stage."
+            )
     return None
 
 

@@ -268,3 +268,34 @@ def test_too_many_automatic_stages():
     )
     with _raises(ValueError, msg):
         fpipe.pipeline(f, stages=4, microbatches=2)(torch.ones(3, dtype=DT), torch.ones(4, 3, dtype=DT))
+
+
+class _StraightThrough(torch.autograd.Function):
+    @staticmethod
+    def forward(x):
+        return x.round()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 3
+
+
+def test_custom_autograd_function_is_refused_not_silently_differentiated():
+    def f(w, x):
+        h = fpipe.stage_boundary(torch.tanh(x @ w))
+        return _StraightThrough.apply(h @ w).pow(2).sum()
+
+    piped = fpipe.pipeline(f, microbatches=2, out_axes="sum")
+    msg = (
+        "pipeline(f, microbatches=2): the function calls the custom autograd.Function _StraightThrough "
+        f"(from {__name__}); fpipe traces its forward into plain operations and would differentiate those "
+        "instead of calling its backward, giving wrong gradients. Move it out of the pipelined function, or "
+        "express it with differentiable operations (a straight-through estimator is "
+        "`x + (f(x) - x).detach()`)."
+    )
+    with _raises(ValueError, msg):
+        fpipe.value_and_grad(piped)(torch.eye(4, dtype=DT), torch.ones(8, 4, dtype=DT))

@@ -18,12 +18,13 @@ user's line.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import linecache
 import os
 import sys
 import traceback
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -156,6 +157,40 @@ def _lift_constants(gm: fx.GraphModule) -> list[torch.Tensor]:
     return consts
 
 
+@contextlib.contextmanager
+def _no_custom_autograd(call: str) -> Iterator[None]:
+    """Refuse `torch.autograd.Function` subclasses in a traced function.
+
+    # NOTE [custom autograd.Function]
+    The forward trace records a Function's forward as plain aten ops and the joint trace then
+    differentiates those ops: a custom backward (a straight-through estimator, gradient
+    reversal) would be silently replaced by the true derivative. Until the joint trace calls the
+    user's backward, such a function is an error, not a wrong gradient.
+    """
+    function = torch.autograd.function.Function
+    original = function.__dict__["apply"]
+    used: list[type] = []
+
+    def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+        if not cls.__module__.startswith(("fpipe.", "torch.")):
+            used.append(cls)
+        return original.__func__(cls, *args, **kwargs)
+
+    function.apply = classmethod(apply)  # type: ignore[assignment, method-assign]
+    try:
+        yield
+    finally:
+        function.apply = original  # type: ignore[method-assign]
+    if used:
+        raise ValueError(
+            f"{call}: the function calls the custom autograd.Function {used[0].__qualname__} "
+            f"(from {used[0].__module__}); fpipe traces its forward into plain operations and would "
+            "differentiate those instead of calling its backward, giving wrong gradients. Move it "
+            "out of the pipelined function, or express it with differentiable operations (a "
+            "straight-through estimator is `x + (f(x) - x).detach()`)."
+        )
+
+
 def trace_forward(
     call: str,
     f: Callable[..., Any],
@@ -179,7 +214,8 @@ def trace_forward(
         out_spec.append(spec)
         return out_leaves
 
-    gm = _trace(call, flat_f, fakes)
+    with _no_custom_autograd(call):
+        gm = _trace(call, flat_f, fakes)
     consts = _lift_constants(gm)
     return Forward(gm, n_params, len(fakes) - n_params, consts, out_spec[0])
 

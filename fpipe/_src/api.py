@@ -23,7 +23,7 @@ from .dist import DEFAULT_TIMEOUT, PeerFailure, PPGroup, pp_group
 from .marker import BOUNDARY
 from .partition import auto_partition
 from .rng import set_step
-from .run import LocalRunner, Timeline
+from .run import LocalRunner, Results, Timeline
 from .run_dist import DistRunner
 from .schedule import Schedule, build, names, stages_per_rank
 from .simulate import validate
@@ -358,7 +358,7 @@ class Pipelined:
 
     def _execute(
         self, inp: _Inputs, mbs: list[list[torch.Tensor]], c: _Compiled, ct: float | None
-    ) -> list[list[Any]]:
+    ) -> Results:
         st = c.staged
         self._check_local_params(inp, c)
         glob = dict(zip(st.param_inputs, inp.param_leaves))
@@ -368,7 +368,8 @@ class Pipelined:
         data = [dict(zip(st.data_inputs, mb)) for mb in mbs]
         self._steps += 1
         set_step(torch.initial_seed(), self._steps)
-        results = c.runner.run(glob, data)
+        summed = frozenset(c.staged.n_outs + j for j, pos in enumerate(c.diff) if _axis_of(inp, pos) is None)
+        results = c.runner.run(glob, data, summed)
         self._last = c
         trace = os.environ.get("FPIPE_TRACE")
         if trace:
@@ -488,7 +489,7 @@ class Pipelined:
     def _forward(self, params: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         inp, mbs, c = self._get(params, args, kwargs, None, False)
         results = self._execute(inp, mbs, c, None)
-        outs = self._values(c, results)
+        outs = self._values(c, results.per_mb)
         return tree.unflatten(outs, c.out_spec)
 
     def value_and_grad(
@@ -513,8 +514,8 @@ class Pipelined:
         inp, mbs, c = self._get(params, args, kwargs, nums, has_aux)
         ct = 1.0 / self.microbatches if c.reductions[0] == "mean" else 1.0
         results = self._execute(inp, mbs, c, ct)
-        value = tree.unflatten(self._values(c, results), c.out_spec)
-        grads = self._gather_grads(inp, c, [r[c.staged.n_outs :] for r in results], nums)
+        value = tree.unflatten(self._values(c, results.per_mb), c.out_spec)
+        grads = self._gather_grads(inp, c, results, nums)
         return value, (grads[0] if isinstance(argnums, int) else tuple(grads))
 
     def _guarded(
@@ -552,42 +553,46 @@ class Pipelined:
             out.append(val)
         return out
 
-    def _gather_grads(
-        self, inp: _Inputs, c: _Compiled, per_mb: list[list[Any]], nums: tuple[int, ...]
-    ) -> list[Any]:
-        flat: dict[int, Any] = {pos: self._grad_of(inp, c, per_mb, j, pos) for j, pos in enumerate(c.diff)}
+    def _gather_grads(self, inp: _Inputs, c: _Compiled, results: Results, nums: tuple[int, ...]) -> list[Any]:
+        flat: dict[int, Any] = {pos: self._grad_of(inp, c, results, j, pos) for j, pos in enumerate(c.diff)}
         return [
             _rebuild_grad_tree(inp, num, [flat[p] for p in _positions_of_argnum(inp, num)]) for num in nums
         ]
 
-    def _grad_of(
-        self, inp: _Inputs, c: _Compiled, per_mb: list[list[Any]], j: int, pos: int
-    ) -> torch.Tensor | None:
-        """Combine one input's gradient over microbatches. In a group: a parameter's gradient is
-        returned on the ranks that use it (broadcast when several do, e.g. a tied embedding); a
-        data argument's gradient on every rank."""
-        n_p = len(inp.param_leaves)
-        axis = None if pos < n_p else inp.axes[pos - n_p]
+    def _grad_of(self, inp: _Inputs, c: _Compiled, results: Results, j: int, pos: int) -> torch.Tensor | None:
+        """One input's gradient over all microbatches: summed as the step ran (parameters, and
+        arguments passed whole), or concatenated (split arguments). In a group: a parameter's
+        gradient is returned on the ranks that use it (broadcast when several do, e.g. a tied
+        embedding); a data argument's gradient on every rank."""
+        axis = _axis_of(inp, pos)
         st, pg = c.staged, self.pg
+        i = st.n_outs + j
+        local = pg is None or c.runner.rank_of(st.producer[st.out_names[i]]) == pg.rank
+        g = None
+        if local:
+            g = results.sums.get(i) if axis is None else torch.cat([r[i] for r in results.per_mb], dim=axis)
         if pg is None:
-            gs = [r[j] for r in per_mb]
-            return _sum(gs) if axis is None else torch.cat(gs, dim=axis)
-        name = st.out_names[st.n_outs + j]
+            return g
+        name = st.out_names[i]
         src = c.runner.rank_of(st.producer[name])
         users = {c.runner.rank_of(p) for p in st.consumers.get((st.param_inputs + st.data_inputs)[pos], [])}
-        g = None
-        if src == pg.rank:
-            gs = [r[j] for r in per_mb]
-            g = (_sum(gs) if axis is None else torch.cat(gs, dim=axis)).contiguous()
-        if pos < n_p and len(users | {src}) == 1:
+        is_param = pos < len(inp.param_leaves)
+        if is_param and len(users | {src}) == 1:
             return g
         if g is None:
             shape, dtype = st.meta[name]
             if axis is not None:
                 shape = torch.Size([d * self.microbatches if k == axis else d for k, d in enumerate(shape)])
             g = torch.empty(shape, dtype=dtype, device=pg.device)
+        g = g.contiguous()
         dist.broadcast(g, pg.global_rank(src), group=pg.group)
-        return g if (pos >= n_p or pg.rank in users) else None
+        return g if (not is_param or pg.rank in users) else None
+
+
+def _axis_of(inp: _Inputs, pos: int) -> int | None:
+    """The microbatch split axis of flat input `pos` (None for parameters and whole arguments)."""
+    n_p = len(inp.param_leaves)
+    return None if pos < n_p else inp.axes[pos - n_p]
 
 
 def _param_keys(inp: _Inputs) -> list[Any]:

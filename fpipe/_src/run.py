@@ -52,6 +52,28 @@ class Timeline:
             json.dump(self.chrome(), f)
 
 
+class Results:
+    """A step's outputs: per microbatch, except those summed over microbatches as they arrive
+    (parameter gradients), so no microbatch's gradient outlives the next one's."""
+
+    def __init__(self, n_mb: int, n_out: int, summed: frozenset[int]) -> None:
+        self.per_mb: list[list[Any]] = [[None] * n_out for _ in range(n_mb)]
+        self.summed = summed
+        self.sums: dict[int, torch.Tensor] = {}
+        self._owned: set[int] = set()
+
+    def put(self, mb: int, i: int, value: torch.Tensor) -> None:
+        if i not in self.summed:
+            self.per_mb[mb][i] = value
+        elif i not in self.sums:
+            self.sums[i] = value  # may alias a program's input: copied on the next add
+        elif i not in self._owned or torch._C._functorch.is_functorch_wrapped_tensor(self.sums[i]):
+            self.sums[i] = self.sums[i] + value
+            self._owned.add(i)
+        else:
+            self.sums[i].add_(value)
+
+
 def execute(prog: Any, args: list[Any], a: Action, rank: int, timeline: Timeline) -> Any:
     """Run one action's program, labelled for torch.profiler and recorded in the timeline."""
     set_microbatch(a.mb)
@@ -87,13 +109,18 @@ class LocalRunner:
     def deps(self, a: Action) -> list[Action]:
         return [Action(k, s, a.mb) for (k, s) in self.staged.deps(action_place(a))]
 
-    def run(self, glob: dict[str, torch.Tensor], data: Sequence[dict[str, torch.Tensor]]) -> list[list[Any]]:
+    def run(
+        self,
+        glob: dict[str, torch.Tensor],
+        data: Sequence[dict[str, torch.Tensor]],
+        summed: frozenset[int] = frozenset(),
+    ) -> Results:
         """Run all actions. `glob` holds params, consts and ct; `data[m]` microbatch m's inputs.
 
         Returns, per microbatch, the joint graph's outputs (values, then gradients).
         """
         n_out = len(self.staged.out_names)
-        results: list[list[Any]] = [[None] * n_out for _ in data]
+        results = Results(len(data), n_out, summed)
         self.timeline = Timeline()
         envs = [dict(d) for d in data]
         left = [dict(self.refcount) for _ in data]
@@ -108,7 +135,7 @@ class LocalRunner:
             env.update(zip(prog.outputs, outs))
             del args, outs
             for i, name in self._out_index.get(prog.place, ()):
-                results[a.mb][i] = env[name]
+                results.put(a.mb, i, env[name])
             for n in prog.inputs:
                 if n in rem:
                     rem[n] -= 1
@@ -117,8 +144,8 @@ class LocalRunner:
             for n in prog.outputs:
                 if rem.get(n, 0) == 0:
                     env.pop(n, None)
-        for m in range(len(data)):
+        for m, row in enumerate(results.per_mb):  # outputs that are inputs (f returns an argument)
             for i, name in enumerate(self.staged.out_names):
-                if results[m][i] is None and name:
-                    results[m][i] = data[m].get(name, glob.get(name))
+                if row[i] is None and name and i not in summed:
+                    row[i] = data[m].get(name, glob.get(name))
         return results

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .dist import PeerFailure, PPGroup, SendReaper
-from .run import Timeline, action_place, execute
+from .run import Results, Timeline, action_place, execute
 from .schedule import Action, Schedule
 from .split import Place, Staged
 
@@ -107,9 +107,14 @@ class DistRunner:
         return refs
 
     # -- running ------------------------------------------------------------------------------
-    def run(self, glob: dict[str, torch.Tensor], data: Sequence[dict[str, torch.Tensor]]) -> list[list[Any]]:
+    def run(
+        self,
+        glob: dict[str, torch.Tensor],
+        data: Sequence[dict[str, torch.Tensor]],
+        summed: frozenset[int] = frozenset(),
+    ) -> Results:
         n_out = len(self.staged.out_names)
-        results: list[list[Any]] = [[None] * n_out for _ in data]
+        results = Results(len(data), n_out, summed)
         self.timeline = Timeline()
         st = _State(self, data)
         try:
@@ -137,7 +142,7 @@ class DistRunner:
             raise RuntimeError(f"fpipe {msg}") from err
         return results
 
-    def _step(self, a: Action, st: _State, glob: dict[str, torch.Tensor], results: list[list[Any]]) -> None:
+    def _step(self, a: Action, st: _State, glob: dict[str, torch.Tensor], results: Results) -> None:
         prog = self.staged.programs.get(action_place(a))
         if prog is None:
             return
@@ -147,7 +152,7 @@ class DistRunner:
         env.update(zip(prog.outputs, outs))
         del args, outs
         for i, name in self._out_index.get(prog.place, ()):
-            results[a.mb][i] = env[name]
+            results.put(a.mb, i, env[name])
         st.send(a, env)
         for n in prog.inputs:
             if n in rem:

@@ -342,7 +342,8 @@ class Pipelined:
         digest = int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=7).digest(), "little")
         mine = torch.tensor([digest], dtype=torch.int64, device=pg.device)
         every = [torch.empty_like(mine) for _ in range(pg.size)]
-        dist.all_gather(every, mine, group=pg.group)
+        work = dist.all_gather(every, mine, group=pg.group, async_op=True)
+        pg.wait_all([work], self.timeout, lambda: "comparing input signatures before the step")
         groups: dict[int, list[int]] = {}
         for r, d in enumerate(int(t.item()) for t in every):
             groups.setdefault(d, []).append(r)
@@ -549,7 +550,8 @@ class Pipelined:
                     dtype=c.staged.meta[c.staged.out_names[i]][1],
                     device=pg.device,
                 )
-            dist.broadcast(val, pg.global_rank(src), group=pg.group)
+            work = dist.broadcast(val, pg.global_rank(src), group=pg.group, async_op=True)
+            pg.wait_all([work], self.timeout, functools.partial(str, f"receiving output {i} from rank {src}"))
             out.append(val)
         return out
 
@@ -585,7 +587,8 @@ class Pipelined:
                 shape = torch.Size([d * self.microbatches if k == axis else d for k, d in enumerate(shape)])
             g = torch.empty(shape, dtype=dtype, device=pg.device)
         g = g.contiguous()
-        dist.broadcast(g, pg.global_rank(src), group=pg.group)
+        work = dist.broadcast(g, pg.global_rank(src), group=pg.group, async_op=True)
+        pg.wait_all([work], self.timeout, lambda: f"receiving a gradient from rank {src}")
         return g if (not is_param or pg.rank in users) else None
 
 

@@ -15,11 +15,13 @@ are waited on by a background thread (`SendReaper`), which also keeps their tens
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
 import functools
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -32,6 +34,7 @@ __all__ = ["PPGroup", "pp_group", "PeerFailure", "DEFAULT_TIMEOUT"]
 
 DEFAULT_TIMEOUT = 300.0
 _FAILED_KEY = "fpipe/failed"
+_WAITS_KEY = "fpipe/waits"
 
 
 class PeerFailure(RuntimeError):
@@ -51,6 +54,7 @@ class PPGroup:
 
     def report_failure(self, message: str) -> None:
         """Tell the other ranks why this one is stopping (first report wins)."""
+        _exit_hard_after_failure()
         if self.store is None:
             return
         try:
@@ -68,28 +72,47 @@ class PPGroup:
             return None
         return None
 
-    def wait_all(self, works: list[Any], timeout: float, what: Callable[[], str]) -> None:
-        """Wait for p2p works; a dead peer, a reported failure or `timeout` becomes an error."""
+    def wait_all(
+        self, works: list[Any], timeout: float, what: Callable[[], str], peer: int | None = None
+    ) -> None:
+        """Wait for works; a dead peer, a reported failure or `timeout` becomes an error.
+
+        `peer` is the rank waited on; a long wait is recorded in the store (`_WaitWatch`) so a
+        rank that times out can follow who waits for whom to the rank that stopped.
+        """
         if self.device.type == "cuda":  # NCCL works are stream-ordered; the host does not block
             for w in works:
                 w.wait()
             return
         deadline = time.monotonic() + timeout
-        for w in works:
-            left = max(deadline - time.monotonic(), 0.001)
-            try:
-                w.wait(datetime.timedelta(seconds=left))
-            except RuntimeError as err:
-                self._raise_for(err, timeout, what())
+        watch = self._watch(timeout)
+        watch.begin(peer)
+        try:
+            for w in works:
+                left = max(deadline - time.monotonic(), 0.001)
+                try:
+                    w.wait(datetime.timedelta(seconds=left))
+                except RuntimeError as err:
+                    self._raise_for(err, timeout, what(), peer)
+        finally:
+            watch.end()
 
-    def _raise_for(self, err: BaseException, timeout: float, what: str) -> None:
+    def _watch(self, timeout: float) -> _WaitWatch:
+        if getattr(self, "_wait_watch", None) is None:
+            self._wait_watch = _WaitWatch(self, record_after=min(5.0, timeout / 4))
+        return self._wait_watch
+
+    def _raise_for(self, err: BaseException, timeout: float, what: str, peer: int | None) -> None:
         msg = self.failure()
         text_err = str(err).lower()
-        if msg is None and ("timeout" in text_err or "timed out" in text_err):
+        if "timeout" in text_err or "timed out" in text_err:
+            chain = self._wait_chain(peer)
+            culprit = f"rank {chain[-1]}" if chain else "that rank"
+            via = f" (waited on through ranks {chain[:-1]})" if len(chain) > 1 else ""
             text = (
-                f"fpipe rank {self.rank}: timed out after {timeout:g} s {what}; that rank is not "
-                "responding (stopped, stuck, or far slower). Raise pipeline(..., timeout=...) if "
-                "it is only slow."
+                f"fpipe rank {self.rank}: timed out after {timeout:g} s {what}; {culprit}{via} is not "
+                "responding (stopped, stuck, or far slower). Raise pipeline(..., timeout=...) if it "
+                "is only slow."
             )
             self.report_failure(text)
             raise TimeoutError(text) from err
@@ -99,6 +122,62 @@ class PPGroup:
             )
         reason = msg or f"the peer closed the connection; did it crash or get killed? ({err})"
         raise PeerFailure(f"fpipe rank {self.rank}: stopping while {what}: {reason}") from err
+
+    def _wait_chain(self, peer: int | None) -> list[int]:
+        """Follow the recorded waits from `peer`: [peer, whom peer waits for, ...]."""
+        chain: list[int] = []
+        cur = peer
+        while cur is not None and cur not in chain and self.store is not None:
+            chain.append(cur)
+            try:
+                key = f"{_WAITS_KEY}/{cur}"
+                cur = int(self.store.get(key).decode()) if self.store.check([key]) else None
+            except Exception:
+                break
+        return chain
+
+
+def _set_value(store: Any, key: str, value: str) -> None:
+    store.set(key, value)
+
+
+class _WaitWatch:
+    """A background thread that records in the store, for waits longer than `record_after`
+    seconds, which rank this one is waiting for (and clears it when the wait ends)."""
+
+    def __init__(self, pg: PPGroup, record_after: float) -> None:
+        self.pg, self.record_after = pg, record_after
+        self.lock = threading.Lock()
+        self.current: tuple[int, float] | None = None
+        self.recorded = False
+        threading.Thread(target=self._loop, name="fpipe-wait-watch", daemon=True).start()
+
+    def begin(self, peer: int | None) -> None:
+        with self.lock:
+            self.current = (peer, time.monotonic()) if peer is not None else None
+
+    def end(self) -> None:
+        with self.lock:
+            self.current = None
+            if self.recorded:
+                self.recorded = False
+                self._store(lambda st, key: st.delete_key(key))
+
+    def _loop(self) -> None:
+        while True:
+            time.sleep(0.5)
+            with self.lock:
+                cur = self.current
+                if cur is not None and not self.recorded and time.monotonic() - cur[1] > self.record_after:
+                    self.recorded = True
+                    self._store(functools.partial(_set_value, value=str(cur[0])))
+
+    def _store(self, op: Callable[[Any, str], Any]) -> None:
+        if self.pg.store is not None:
+            try:
+                op(self.pg.store, f"{_WAITS_KEY}/{self.pg.rank}")
+            except Exception:  # the store may be gone; the wait itself still times out
+                pass
 
 
 class SendReaper:
@@ -133,6 +212,25 @@ class SendReaper:
         if self.error is not None:
             err, self.error = self.error, None
             raise err
+
+
+_exit_registered = False
+
+
+def _exit_hard_after_failure() -> None:
+    """Once a pipeline failed in this process, end it with status 1 at exit, skipping C++ static
+    destructors: gloo's threads, still blocked on a vanished peer, otherwise abort the process
+    ("terminate called without an active exception", status -6) after the error was printed."""
+    global _exit_registered
+    if not _exit_registered:
+        _exit_registered = True
+        atexit.register(_hard_exit)
+
+
+def _hard_exit() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def _init_from_env(timeout: float) -> None:

@@ -202,6 +202,7 @@ class _State:
                 list(works.values()),
                 self.r.timeout,
                 functools.partial(self._waiting, a, peer, idx),
+                peer,
             )
             for key in keys:
                 bundle = self.r.channels[peer][key[1]]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -56,17 +56,31 @@ class Results:
     """A step's outputs: per microbatch, except those summed over microbatches as they arrive
     (parameter gradients), so no microbatch's gradient outlives the next one's."""
 
-    def __init__(self, n_mb: int, n_out: int, summed: frozenset[int]) -> None:
+    def __init__(
+        self, n_mb: int, n_out: int, summed: frozenset[int], inputs: Iterable[torch.Tensor] = ()
+    ) -> None:
         self.per_mb: list[list[Any]] = [[None] * n_out for _ in range(n_mb)]
         self.summed = summed
         self.sums: dict[int, torch.Tensor] = {}
         self._owned: set[int] = set()
+        self._inputs: set[int] | None = None
+        self._input_tensors = inputs
+
+    def _is_fresh(self, t: torch.Tensor) -> bool:
+        """A program output that shares no memory with an input may be added into in place."""
+        if t._is_view() or torch._C._functorch.is_functorch_wrapped_tensor(t):
+            return False
+        if self._inputs is None:
+            self._inputs = {x.untyped_storage().data_ptr() for x in self._input_tensors if not x.is_meta}
+        return t.untyped_storage().data_ptr() not in self._inputs
 
     def put(self, mb: int, i: int, value: torch.Tensor) -> None:
         if i not in self.summed:
             self.per_mb[mb][i] = value
         elif i not in self.sums:
-            self.sums[i] = value  # may alias a program's input: copied on the next add
+            self.sums[i] = value
+            if self._is_fresh(value):
+                self._owned.add(i)
         elif i not in self._owned or torch._C._functorch.is_functorch_wrapped_tensor(self.sums[i]):
             self.sums[i] = self.sums[i] + value
             self._owned.add(i)
@@ -120,7 +134,7 @@ class LocalRunner:
         Returns, per microbatch, the joint graph's outputs (values, then gradients).
         """
         n_out = len(self.staged.out_names)
-        results = Results(len(data), n_out, summed)
+        results = Results(len(data), n_out, summed, glob.values())
         self.timeline = Timeline()
         envs = [dict(d) for d in data]
         left = [dict(self.refcount) for _ in data]

@@ -114,7 +114,7 @@ class DistRunner:
         summed: frozenset[int] = frozenset(),
     ) -> Results:
         n_out = len(self.staged.out_names)
-        results = Results(len(data), n_out, summed)
+        results = Results(len(data), n_out, summed, glob.values())
         self.timeline = Timeline()
         st = _State(self, data)
         try:

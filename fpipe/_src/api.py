@@ -347,6 +347,7 @@ class Pipelined:
         groups: dict[int, list[int]] = {}
         for r, d in enumerate(int(t.item()) for t in every):
             groups.setdefault(d, []).append(r)
+        pg.generation += 1  # every rank entered this call: older failure reports are stale
         if len(groups) > 1:
             ranks = sorted(groups.values(), key=len)
             raise ValueError(

@@ -49,16 +49,20 @@ class PPGroup:
     device: torch.device
     store: Any
 
+    generation: int = 0  # calls that every rank entered; failure reports are per generation
+
     def global_rank(self, pp_rank: int) -> int:
         return dist.get_global_rank(self.group, pp_rank) if self.group is not None else pp_rank
 
+    def _failed_key(self) -> str:
+        return f"{_FAILED_KEY}/{self.generation}"
+
     def report_failure(self, message: str) -> None:
-        """Tell the other ranks why this one is stopping (first report wins)."""
-        _exit_hard_after_failure()
+        """Tell the other ranks why this one is stopping (first report of this call wins)."""
         if self.store is None:
             return
         try:
-            self.store.compare_set(_FAILED_KEY, "", message)
+            self.store.compare_set(self._failed_key(), "", message)
         except Exception:  # the store may be gone already; the raise on this rank is what matters
             pass
 
@@ -66,8 +70,8 @@ class PPGroup:
         if self.store is None:
             return None
         try:
-            if self.store.check([_FAILED_KEY]):
-                return self.store.get(_FAILED_KEY).decode()
+            if self.store.check([self._failed_key()]):
+                return self.store.get(self._failed_key()).decode()
         except Exception:
             return None
         return None
@@ -103,6 +107,7 @@ class PPGroup:
         return self._wait_watch
 
     def _raise_for(self, err: BaseException, timeout: float, what: str, peer: int | None) -> None:
+        exit_hard_after_failure()  # gloo threads may stay blocked on the vanished peer
         msg = self.failure()
         text_err = str(err).lower()
         if "timeout" in text_err or "timed out" in text_err:
@@ -217,7 +222,7 @@ class SendReaper:
 _exit_registered = False
 
 
-def _exit_hard_after_failure() -> None:
+def exit_hard_after_failure() -> None:
     """Once a pipeline failed in this process, end it with status 1 at exit, skipping C++ static
     destructors: gloo's threads, still blocked on a vanished peer, otherwise abort the process
     ("terminate called without an active exception", status -6) after the error was printed."""

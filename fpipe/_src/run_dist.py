@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .dist import PeerFailure, PPGroup, SendReaper
+from .dist import PeerFailure, PPGroup, SendReaper, exit_hard_after_failure
 from .run import Results, Timeline, action_place, execute
 from .schedule import Action, Schedule
 from .split import Place, Staged
@@ -139,6 +139,7 @@ class DistRunner:
             )
             msg = f"rank {self.rank} failed at {where}: {type(err).__name__}: {err}"
             self.pg.report_failure(msg)
+            exit_hard_after_failure()  # peers' transfers may be in flight
             raise RuntimeError(f"fpipe {msg}") from err
         return results
 

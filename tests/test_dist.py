@@ -60,11 +60,16 @@ def _launch(launch: str, out: Any) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     """`results(launch)`: each rank's record, launching on first use (once per module)."""
-    done: dict[str, list[dict[str, Any]]] = {}
+    done: dict[str, Any] = {}
 
     def get(launch: str) -> list[dict[str, Any]]:
-        if launch not in done:
-            done[launch] = _launch(launch, tmp_path_factory.mktemp(launch))
+        if launch not in done:  # a failed launch is remembered too: one launch per module, always
+            try:
+                done[launch] = _launch(launch, tmp_path_factory.mktemp(launch))
+            except Exception as err:
+                done[launch] = err
+        if isinstance(done[launch], Exception):
+            raise done[launch]
         return done[launch]
 
     return get

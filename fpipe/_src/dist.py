@@ -35,6 +35,7 @@ __all__ = ["PPGroup", "pp_group", "PeerFailure", "DEFAULT_TIMEOUT"]
 DEFAULT_TIMEOUT = 300.0
 _FAILED_KEY = "fpipe/failed"
 _WAITS_KEY = "fpipe/waits"
+_WATCH_LOCK = threading.Lock()
 
 
 class PeerFailure(RuntimeError):
@@ -102,8 +103,9 @@ class PPGroup:
             watch.end()
 
     def _watch(self, timeout: float) -> _WaitWatch:
-        if getattr(self, "_wait_watch", None) is None:
-            self._wait_watch = _WaitWatch(self, record_after=min(5.0, timeout / 4))
+        with _WATCH_LOCK:  # the main thread and the send reaper may both be first
+            if getattr(self, "_wait_watch", None) is None:
+                self._wait_watch = _WaitWatch(self, record_after=min(5.0, timeout / 4))
         return self._wait_watch
 
     def _raise_for(self, err: BaseException, timeout: float, what: str, peer: int | None) -> None:
@@ -148,34 +150,44 @@ def _set_value(store: Any, key: str, value: str) -> None:
 
 class _WaitWatch:
     """A background thread that records in the store, for waits longer than `record_after`
-    seconds, which rank this one is waiting for (and clears it when the wait ends)."""
+    seconds, which rank this one is waiting for (the oldest such wait of any thread: the main
+    thread's receives or the send reaper's sends), and clears it when no long wait is left."""
 
     def __init__(self, pg: PPGroup, record_after: float) -> None:
         self.pg, self.record_after = pg, record_after
         self.lock = threading.Lock()
-        self.current: tuple[int, float] | None = None
-        self.recorded = False
+        self.waits: dict[int, tuple[int, float]] = {}  # thread id -> (peer, since)
+        self.recorded: int | None = None
         threading.Thread(target=self._loop, name="fpipe-wait-watch", daemon=True).start()
 
     def begin(self, peer: int | None) -> None:
-        with self.lock:
-            self.current = (peer, time.monotonic()) if peer is not None else None
+        if peer is not None:
+            with self.lock:
+                self.waits[threading.get_ident()] = (peer, time.monotonic())
 
     def end(self) -> None:
         with self.lock:
-            self.current = None
-            if self.recorded:
-                self.recorded = False
-                self._store(lambda st, key: st.delete_key(key))
+            self.waits.pop(threading.get_ident(), None)
+            self._sync()
 
     def _loop(self) -> None:
         while True:
             time.sleep(0.5)
             with self.lock:
-                cur = self.current
-                if cur is not None and not self.recorded and time.monotonic() - cur[1] > self.record_after:
-                    self.recorded = True
-                    self._store(functools.partial(_set_value, value=str(cur[0])))
+                self._sync()
+
+    def _sync(self) -> None:
+        """Make the store say whom the oldest long wait is for (or nothing)."""
+        now = time.monotonic()
+        long = sorted((since, peer) for peer, since in self.waits.values() if now - since > self.record_after)
+        peer = long[0][1] if long else None
+        if peer == self.recorded:
+            return
+        self.recorded = peer
+        if peer is None:
+            self._store(lambda st, key: st.delete_key(key))
+        else:
+            self._store(functools.partial(_set_value, value=str(peer)))
 
     def _store(self, op: Callable[[Any, str], Any]) -> None:
         if self.pg.store is not None:
@@ -196,15 +208,17 @@ class SendReaper:
         self.thread = threading.Thread(target=self._loop, name="fpipe-send-reaper", daemon=True)
         self.thread.start()
 
-    def submit(self, works: list[Any], tensors: list[torch.Tensor], what: str) -> None:
-        self.queue.put((works, tensors, what))
+    def submit(
+        self, works: list[Any], tensors: list[torch.Tensor], what: str, peer: int | None = None
+    ) -> None:
+        self.queue.put((works, tensors, what, peer))
 
     def _loop(self) -> None:
         while True:
-            works, tensors, what = self.queue.get()
+            works, tensors, what, peer = self.queue.get()
             try:
                 if works is not None and self.error is None:
-                    self.pg.wait_all(works, self.timeout, functools.partial(str, what))
+                    self.pg.wait_all(works, self.timeout, functools.partial(str, what), peer)
             except BaseException as err:  # surfaced by drain() on the main thread
                 self.error = err
             finally:

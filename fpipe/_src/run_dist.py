@@ -223,4 +223,4 @@ class _State:
             keep = [env[n].contiguous() for n in bundle.names]
             works = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, gpeer, self.r.pg.group) for t in keep])
             what = f"sending {a}'s outputs (stage {a.stage}, microbatch {a.mb}) to rank {bundle.peer}"
-            self.r.reaper.submit(works, keep, what)
+            self.r.reaper.submit(works, keep, what, bundle.peer)

@@ -25,15 +25,6 @@ CASES = [("gpt2", 2), ("llama", 2), ("gpt2", 4), ("llama", 4)]
 WORLD = 4
 TOL = 1e-10
 
-# Marked until fixed (issue-5 report); strict, so a fix shows as XPASS. The worker stops at its first
-# failing case (fpipe stops every rank of a failed pipeline), so every test here fails with it.
-pytestmark = pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="fpipe split (since bef1450): a boolean mask crossing a cut gets its zero cotangent placed at "
-    "stage -1 (KeyError: (1, Action(kind='F', stage=-1, mb=0)) in DistRunner._plan_recvs)",
-)
-
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> list[dict]:

@@ -48,35 +48,6 @@ BATCH, SEQ, MICROBATCHES, VOCAB = 8, 8, 4, 64
 STAGES = [2, 3, 4]
 SCHEDULE = {2: "gpipe", 3: "1f1b", 4: "1f1b"}
 
-# Library bugs this file found (issue-5 report), marked until fixed; strict, so a fix shows as XPASS.
-BOOL_CUT = pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="fpipe split (since bef1450): a boolean mask crossing a cut gets its zero cotangent placed at "
-    "stage -1 ('schedule ... deadlocks: rank 0 waits at F0.0 for [F-1.0]')",
-)
-SDPA_MASK_GRAD = pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="fpipe traces the forward without requires_grad, so SDPA's CPU flash kernel (no attn_mask "
-    "gradient) is frozen into the graph before the joint trace differentiates a learned attention bias",
-)
-EMPTY_STAGE = pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="auto_partition leaves a stage without operations when one op costs more than a stage's share",
-)
-BOOL_CUT_CASES = {
-    ("gpt2", 3),
-    ("gpt2", 4),
-    ("llama", 2),
-    ("llama", 3),
-    ("llama", 4),
-    ("bert", 2),
-    ("bert", 3),
-    ("bert", 4),
-}
-
 
 # -- tiny configs ---------------------------------------------------------------------------------
 def gpt2_config(**kw: Any) -> Any:
@@ -301,11 +272,7 @@ def case_of(name: str) -> Case:
 # -- the tests -------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("name", "stages"),
-    [
-        pytest.param(name, s, marks=[BOOL_CUT] if (name, s) in BOOL_CUT_CASES else [], id=f"{name}-{s}")
-        for name in SPECS
-        for s in STAGES
-    ],
+    [pytest.param(name, s, id=f"{name}-{s}") for name in SPECS for s in STAGES],
 )
 def test_trains_with_exact_gradients(name, stages):
     spec, case = SPECS[name], case_of(name)
@@ -355,7 +322,6 @@ def test_model_output_is_returned_whole():
     assert_close(out.loss, sum(chunk_losses) / MICROBATCHES)
 
 
-@BOOL_CUT
 def test_aux_logits_with_the_loss():
     case = case_of("llama")
     fn = fpipe.functionalize(case.model)[0]
@@ -371,7 +337,6 @@ def test_aux_logits_with_the_loss():
         assert_close(logits, case.model(**case.batch).logits)
 
 
-@SDPA_MASK_GRAD
 def test_t5_sdpa():
     """T5's relative position bias is a learned `attn_mask` of scaled_dot_product_attention."""
     torch.manual_seed(0)
@@ -383,7 +348,6 @@ def test_t5_sdpa():
     assert_close(grads, case_of("t5").ref_grads)
 
 
-@EMPTY_STAGE
 def test_partition_gives_every_stage_work():
     """A ResNet whose 7x7 stem is ~90% of the estimated cost (bottleneck blocks of width 2-4)."""
     torch.manual_seed(0)
@@ -400,7 +364,6 @@ def test_partition_gives_every_stage_work():
 
 
 # -- dropout: not comparable with the unsplit model, but reproducible ---------------------------------
-@BOOL_CUT
 def test_dropout_is_reproducible():
     """fpipe seeds each random operation from (torch.initial_seed(), step, microbatch, operation):
     the same seed gives the same losses and gradients in a fresh pipeline (run to run), whatever

@@ -193,7 +193,9 @@ class Pipelined:
         call = self._call_str()
         data_device = self._device(inp)
         mode, fakes = make_fakes([*inp.param_leaves, *mb0], data_device)
-        fwd = trace_forward(call, self.f, self._rebuild(inp), fakes, len(inp.param_leaves))
+        fwd = trace_forward(
+            call, self.f, self._rebuild(inp), _wanting_grad(fakes, inp, grad_of), len(inp.param_leaves)
+        )
         stage_costs = self._cut(fwd)
         reductions = self._reductions(fwd)
         const_fakes = [trace_fake(mode, c, data_device) for c in fwd.consts]
@@ -591,6 +593,20 @@ class Pipelined:
         work = dist.broadcast(g, pg.global_rank(src), group=pg.group, async_op=True)
         pg.wait_all([work], self.timeout, lambda: f"receiving a gradient from rank {src}")
         return g if (not is_param or pg.rank in users) else None
+
+
+def _wanting_grad(
+    fakes: list[torch.Tensor], inp: _Inputs, grad_of: tuple[int, ...] | None
+) -> list[torch.Tensor]:
+    """The forward trace sees the inputs to be differentiated as requiring grad, as eager would:
+    kernels are chosen by that (attention with a learned mask must take the differentiable path)."""
+    if grad_of is None:
+        return fakes
+    wanted = {p for num in grad_of for p in _positions_of_argnum(inp, num)}
+    return [
+        f.detach().requires_grad_(True) if i in wanted and (f.is_floating_point() or f.is_complex()) else f
+        for i, f in enumerate(fakes)
+    ]
 
 
 def _axis_of(inp: _Inputs, pos: int) -> int | None:

@@ -91,12 +91,15 @@ def auto_partition(call: str, fwd: Forward, n_stages: int) -> list[float]:
     for k in range(1, n_stages):
         target = total * k / n_stages
         tol = total / (4 * n_stages)
-        cands = [i for i in range(lo, len(nodes) - 1) if cuttable[i] and abs(cum[i] - target) <= tol]
-        if not cands:
-            cands = [i for i in range(lo, len(nodes) - 1) if cuttable[i]]
-            if not cands:
-                raise ValueError(f"{call}: cannot find a place to cut the function into {n_stages} stages.")
-            cands = [min(cands, key=lambda i: abs(cum[i] - target))]
+        prev = cum[cuts[-1]] if cuts else 0.0
+        # every stage gets work: more cost than the previous cut, and some left after this one
+        ok = [i for i in range(lo, len(nodes) - 1) if cuttable[i] and prev < cum[i] < total]
+        if len(ok) < n_stages - k:
+            raise ValueError(f"{call}: cannot cut the function into {n_stages} stages that each have work.")
+        ok = ok[: len(ok) - (n_stages - 1 - k)] if n_stages - 1 - k else ok
+        cands = [i for i in ok if abs(cum[i] - target) <= tol] or [
+            min(ok, key=lambda i: abs(cum[i] - target))
+        ]
         best = min(cands, key=lambda i: (live_bytes[i], abs(cum[i] - target)))
         cuts.append(best)
         lo = best + 1

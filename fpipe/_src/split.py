@@ -239,16 +239,18 @@ class _Placer:
 
     def _consumer_places_of_marker_input(self, marker: fx.Node, node: fx.Node) -> list[Place]:
         """What feeds a boundary is computed before it: one stage below its forward output, or
-        one above its backward output; what feeds an identity marker, where that is read."""
+        one above its backward output; what feeds an identity marker, where that is read. An
+        element nobody reads keeps nothing alive."""
         out: list[Place] = []
         for g in marker.users:
-            if self.src.get(g) is not node:
+            if self.src.get(g) is not node or not g.users:
                 continue
             if g in self.identity or g not in self.place:
                 out.extend(self.places_of(g) or self._consumer_places(g))
+            elif marker.target is BOUNDARY:
+                out.append(("F", self.place[g][1] - 1))
             else:
-                kind, stage = self.place[g]
-                out.append((kind, stage - 1 if kind == "F" else stage + 1))
+                out.append(("B", self.place[g][1] + 1))
         return out
 
     def _output_place(self, node: fx.Node) -> Place:
@@ -259,8 +261,8 @@ class _Placer:
 
     def _place_free(self, free: list[fx.Node]) -> None:
         for node in reversed(free):
-            if node.op == "placeholder":
-                continue
+            if node.op == "placeholder" or (node in self.src and not node.users):
+                continue  # an unread marker element is dropped
             places = sorted(set(self._consumer_places(node)), key=lambda p: _seq(p, self.n_stages))
             if not places:
                 self.place[node] = self._following_forward(node)

@@ -86,7 +86,9 @@ def parity(args: argparse.Namespace) -> None:
         piped = fpipe.pipeline(loss_fn, stages=stages, microbatches=4, schedule=sched)
         loss, g = fpipe.value_and_grad(piped)(params, x, y)
         err = max(((g[k] - ref_g[k]).abs().max() / ref_g[k].abs().max().clamp_min(1e-30)).item() for k in g)
-        print(f"parity fp64 cuda {sched:18s} stages={stages}: loss err {abs(loss - ref_l).item():.2e}, max rel grad err {err:.2e}")
+        print(
+            f"parity fp64 cuda {sched:18s} stages={stages}: loss err {abs(loss - ref_l).item():.2e}, max rel grad err {err:.2e}"
+        )
         assert err < 1e-9 and abs(loss - ref_l).item() < 1e-9
 
 
@@ -103,11 +105,21 @@ def speed(args: argparse.Namespace) -> None:
         vg(params, x, y)
         torch.cuda.synchronize()
         first = time.perf_counter() - t
-        rows.append((f"fpipe stages={stages} mb={args.microbatches} compile={compile_}", timed(lambda: vg(params, x, y), args.steps), first))
+        rows.append(
+            (
+                f"fpipe stages={stages} mb={args.microbatches} compile={compile_}",
+                timed(lambda vg=vg: vg(params, x, y), args.steps),
+                first,
+            )
+        )
     base = rows[0][1]
     tokens = args.batch * args.seq
-    print(f"\nGPT d={args.d} layers={args.layers} seq={args.seq} batch={args.batch} bf16, one H200, {torch.__version__}")
-    print(f"{'configuration':48s} {'median step':>12s} {'vs unsplit':>10s} {'tokens/s':>10s} {'first call':>10s}")
+    print(
+        f"\nGPT d={args.d} layers={args.layers} seq={args.seq} batch={args.batch} bf16, one H200, {torch.__version__}"
+    )
+    print(
+        f"{'configuration':48s} {'median step':>12s} {'vs unsplit':>10s} {'tokens/s':>10s} {'first call':>10s}"
+    )
     for name, t, first in rows:
         print(f"{name:48s} {t * 1e3:10.2f}ms {t / base:10.3f} {tokens / t:10.0f} {first:9.1f}s")
 

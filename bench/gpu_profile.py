@@ -1,6 +1,6 @@
 """Where fpipe's time goes on one GPU: step times and top kernels, fpipe vs torch.func.
 
-    python bench/gpu_profile.py
+python bench/gpu_profile.py
 """
 
 from __future__ import annotations
@@ -35,8 +35,22 @@ def main() -> None:
         if mb == 1:
             vg(params, x, y)
             c = next(iter(piped._cache.values()))
-            ops = Counter(str(n.target) for p in c.staged.programs.values() for n in p.gm.graph.nodes if n.op == "call_function")
-            print("attention/softmax/mm ops in the staged program:", {k: v for k, v in ops.items() if any(s in k for s in ("attention", "softmax", "bmm", "mm", "seeded", "_to_copy", "clone"))})
+            ops = Counter(
+                str(n.target)
+                for p in c.staged.programs.values()
+                for n in p.gm.graph.nodes
+                if n.op == "call_function"
+            )
+            print(
+                "attention/softmax/mm ops in the staged program:",
+                {
+                    k: v
+                    for k, v in ops.items()
+                    if any(
+                        s in k for s in ("attention", "softmax", "bmm", "mm", "seeded", "_to_copy", "clone")
+                    )
+                },
+            )
     for name, fn in runs.items():
         print(f"{name:28s} median {G.timed(fn, 10) * 1e3:8.2f} ms")
     for name in ("torch.func unsplit", "fpipe stages=1 mb=1"):

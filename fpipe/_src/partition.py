@@ -4,8 +4,9 @@ Used when `pipeline(f, stages=N)` is given a function without `stage_boundary` c
 graph's operations are costed (matrix products by their flops, other operations by the elements
 they write, views free), and N - 1 cuts are chosen in program order so that each stage gets about
 an equal share; near each ideal cut the position with the fewest live activation bytes wins, so
-little crosses between stages. The cuts are written into the graph as ordinary boundary markers,
-so from here on an automatic split is the same as a hand-written one.
+little crosses between stages. The cuts are written into the graph as ordinary boundary markers on
+everything that crosses them (data inputs read later included, so work after cut k is on stage k
+or later), so from here on an automatic split is the same as a hand-written one.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 import torch.fx as fx
 
 from .marker import BOUNDARY
+from .split import count_stages
 from .trace import Forward
 
 __all__ = ["auto_partition", "node_cost"]
@@ -71,6 +73,7 @@ def _activations(nodes: list[fx.Node], n_params: int, n_data: int) -> set[fx.Nod
 def auto_partition(call: str, fwd: Forward, n_stages: int) -> list[float]:
     """Insert `n_stages - 1` boundary markers into `fwd.gm`; return each stage's estimated cost."""
     graph = fwd.gm.graph
+    graph.eliminate_dead_code()  # dead work is neither costed nor sent between stages
     nodes = list(graph.nodes)
     act = _activations(nodes, fwd.n_params, fwd.n_data)
     index = {n: i for i, n in enumerate(nodes)}
@@ -106,6 +109,9 @@ def auto_partition(call: str, fwd: Forward, n_stages: int) -> list[float]:
     for i in reversed(cuts):
         _insert_marker(graph, nodes, index, act, i)
     fwd.gm.recompile()
+    made = count_stages(graph)
+    if made != n_stages:  # the markers above make every cut a stage; this guards that reasoning
+        raise AssertionError(f"{call}: automatic cuts made {made} stages, not {n_stages}.")
     bounds = [0, *cuts, len(nodes)]
     return [cum[b] - cum[a] for a, b in zip(bounds, bounds[1:])]
 
@@ -119,7 +125,7 @@ def _liveness(
     delta = [0.0] * (n + 1)
     bad = [0] * (n + 1)
     for node in nodes:
-        if node not in act or node.op == "placeholder" or not node.users:
+        if node not in act or not node.users:
             continue
         last = max(index[u] for u in node.users)
         val = _val(node)
@@ -144,16 +150,16 @@ def _liveness(
 def _insert_marker(
     graph: fx.Graph, nodes: list[fx.Node], index: dict[fx.Node, int], act: set[fx.Node], i: int
 ) -> None:
+    # Data inputs read after the cut cross it too: otherwise work that reads only inputs would be
+    # free to sit on an earlier stage, and parallel branches from the inputs could collapse two
+    # cuts into one stage.
     crossing = [
         n
         for n in nodes[:i]
         if n in act
-        and n.op != "placeholder"
         and any(index.get(u, math.inf) >= i for u in n.users)
         and isinstance(_val(n), torch.Tensor)
     ]
-    if not crossing:
-        return
     with graph.inserting_before(nodes[i]):
         marker = graph.call_function(BOUNDARY, ([*crossing],))
         outs = [graph.call_function(operator.getitem, (marker, j)) for j in range(len(crossing))]

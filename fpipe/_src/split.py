@@ -19,8 +19,10 @@ the skip connections and the saved activations: explicit names that the runtime 
   One that reads the data (the embedding lookup, a slice of the targets) runs once, in the
   earliest program that reads it -- for the targets, on the last stage. What feeds boundary k
   runs before it, on stage k. A node that mutates its inputs is never copied.
-* A node nobody reads (an in-place update of a BatchNorm counter) stays with the forward work
-  that follows it in program order.
+* A node nobody reads that mutates its input (an in-place update of a BatchNorm counter) stays
+  with the forward work that follows it in program order. Any other node whose value reaches no
+  output (a detach the tracer left, work on a marker element nobody reads) is dropped first, so
+  it neither runs nor pulls values across stages.
 """
 
 from __future__ import annotations
@@ -117,18 +119,36 @@ def _is_marker(node: fx.Node) -> bool:
     return node.target in (BOUNDARY, BOUNDARY_BWD)
 
 
-def forward_stages(graph: fx.Graph, backward: set[fx.Node] | None = None) -> dict[fx.Node, int]:
+def live_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes whose value reaches an output or that mutate an input. A marker element keeps only
+    its own source alive, not the marker's other elements (markers themselves are never live)."""
+    live: set[fx.Node] = set()
+    stack = [n for n in graph.nodes if n.op == "output" or _is_mutating(n)]
+    while stack:
+        node = stack.pop()
+        if node in live or _is_marker(node):
+            continue
+        live.add(node)
+        mg = _marker_getitem(node)
+        stack.extend([mg[1]] if mg else node.all_input_nodes)
+    return live
+
+
+def forward_stages(
+    graph: fx.Graph, backward: set[fx.Node] | None = None, live: set[fx.Node] | None = None
+) -> dict[fx.Node, int]:
     """The stage of every forward value: the most boundaries on any path from the inputs to it.
 
     A boundary's output is one stage above its input; any other value is at the highest stage
-    of its inputs; values that depend only on inputs have no stage (absent). A *backward* marker
+    of its inputs; values that depend only on inputs have no stage (absent), nor do dead ones. A *backward* marker
     met in forward work (a `torch.func.grad` inside the function differentiates through a
     boundary) is the identity: forward work never flows back to a lower stage.
     """
     backward = backward or set()
+    live = live_nodes(graph) if live is None else live
     stage: dict[fx.Node, int] = {}
     for node in graph.nodes:
-        if node in backward or node.op != "call_function" or _is_marker(node):
+        if node in backward or node.op != "call_function" or node not in live:
             continue
         mg = _marker_getitem(node)
         if mg is not None and mg[0] == "F":
@@ -155,7 +175,9 @@ class _Placer:
         self.output = self.nodes[-1]
         self.src: dict[fx.Node, fx.Node] = {}  # marker getitem -> its source value
         self.identity: set[fx.Node] = set()  # marker getitems that do not change the stage
+        self.free: set[fx.Node] = set()  # nodes placed by their readers
         self.n_outs = joint.n_outs
+        self.live = live_nodes(self.graph)
         randoms = [n for n in self.nodes if is_random(n.target, n.args, n.kwargs)]
         self.random_index = {n: i for i, n in enumerate(randoms)}
 
@@ -181,7 +203,7 @@ class _Placer:
                 self.src[node] = mg[1]
         self.data_dep = self._closure(set(phs[joint.n_params : joint.n_params + joint.n_data]))
         backward = self._closure({ct})
-        fstage = forward_stages(self.graph, backward)
+        fstage = forward_stages(self.graph, backward, self.live)
         self.n_stages = max(fstage.values(), default=0) + 1
         for node, s in fstage.items():
             self.place[node] = ("F", s)
@@ -190,11 +212,9 @@ class _Placer:
                 self.identity.add(node)
         self.place[ct] = ("B", self.n_stages - 1)
         for node in self.nodes:
-            if node in backward and node is not ct and not _is_marker(node):
+            if node in backward and node is not ct and node in self.live:
                 self._place_backward(node)
-        free = [
-            n for n in self.nodes if n.op == "call_function" and not _is_marker(n) and n not in self.place
-        ]
+        free = [n for n in self.nodes if n.op == "call_function" and n in self.live and n not in self.place]
         self._place_free(free)
         self._colocate_getitems()
 
@@ -214,7 +234,7 @@ class _Placer:
     def _colocate_getitems(self) -> None:
         """An element of a multi-output node is taken where the node runs: tuples never cross."""
         for node in self.nodes:
-            if node.target is not operator.getitem or node in self.src:
+            if node.target is not operator.getitem or node in self.src or node not in self.live:
                 continue
             parent = node.args[0]
             if parent in self.place:
@@ -227,6 +247,8 @@ class _Placer:
     def _consumer_places(self, node: fx.Node) -> list[Place]:
         out: list[Place] = []
         for user in node.users:
+            if user not in self.live and not _is_marker(user):
+                continue
             if user is self.output:
                 out.append(self._output_place(node))
             elif _is_marker(user):
@@ -243,9 +265,9 @@ class _Placer:
         element nobody reads keeps nothing alive."""
         out: list[Place] = []
         for g in marker.users:
-            if self.src.get(g) is not node or not g.users:
+            if self.src.get(g) is not node or g not in self.live:
                 continue
-            if g in self.identity or g not in self.place:
+            if g in self.identity or g not in self.place or g in self.free:
                 out.extend(self.places_of(g) or self._consumer_places(g))
             elif marker.target is BOUNDARY:
                 out.append(("F", self.place[g][1] - 1))
@@ -260,9 +282,8 @@ class _Placer:
         return ("F", self.n_stages - 1) if is_value else ("B", 0)
 
     def _place_free(self, free: list[fx.Node]) -> None:
+        self.free = set(free)  # a free marker element is the identity: its source goes with it
         for node in reversed(free):
-            if node.op == "placeholder" or (node in self.src and not node.users):
-                continue  # an unread marker element is dropped
             places = sorted(set(self._consumer_places(node)), key=lambda p: _seq(p, self.n_stages))
             if not places:
                 self.place[node] = self._following_forward(node)

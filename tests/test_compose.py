@@ -175,6 +175,17 @@ def test_grad_equals_value_and_grad(mlp, piped, data):
     assert_trees_close(loss, ref(params, *data))
 
 
+def test_value_and_grad_records_no_autograd_history(mlp, piped, data):
+    """Parameters that require grad (a module's own `named_parameters()`) give the same result,
+    and no autograd graph: recording one would hold every program's intermediates all step."""
+    _, ref, params = mlp
+    live = {k: v.clone().requires_grad_() for k, v in params.items()}
+    loss, grads = fpipe.value_and_grad(piped)(live, *data)
+    assert loss.grad_fn is None and all(g.grad_fn is None for g in grads.values())
+    ref_loss, ref_grads = torch.func.grad_and_value(ref)(params, *data)[::-1]
+    assert_trees_close((loss, grads), (ref_loss, ref_grads))
+
+
 def _with_aux(fn):
     def f(params, x, y):
         pred = fn(params, x)

@@ -6,6 +6,7 @@ the data path: trace -> (partition) -> split -> schedule -> run.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -373,7 +374,13 @@ class Pipelined:
         self._steps += 1
         set_step(torch.initial_seed(), self._steps)
         summed = frozenset(c.staged.n_outs + j for j, pos in enumerate(c.diff) if _axis_of(inp, pos) is None)
-        results = c.runner.run(glob, data, summed)
+        # value_and_grad computes its gradients explicitly (the joint programs): recording
+        # autograd history as well, for inputs that require grad, would keep every program's
+        # intermediates alive for the whole step. Under a torch.func transform, the transform
+        # decides.
+        explicit = ct is not None and torch._C._functorch.peek_interpreter_stack() is None
+        with torch.no_grad() if explicit else contextlib.nullcontext():
+            results = c.runner.run(glob, data, summed)
         self._last = c
         trace = os.environ.get("FPIPE_TRACE")
         if trace:

@@ -45,26 +45,28 @@ def clip_grad_norm_(
     owned = _owned_leaves(grads, pipeline) if pg is not None else [g for g in leaves if g is not None]
     device = leaves[0].device if leaves else torch.device("cpu")
     dtype = torch.float64 if any(g.dtype == torch.float64 for g in owned) else torch.float32
+    # In a group every rank reduces in float64: a rank whose stages hold no parameters has no
+    # dtype of its own to go by, and the all-reduce needs the same dtype everywhere.
+    acc = torch.float64 if pg is not None else dtype
     if norm_type == math.inf:
-        local = max(
-            (g.abs().max().to(dtype) for g in owned), default=torch.zeros((), dtype=dtype, device=device)
-        )
+        local = max((g.abs().max().to(acc) for g in owned), default=torch.zeros((), dtype=acc, device=device))
     else:
         local = sum(
-            (g.to(dtype).pow(norm_type).sum() for g in owned), torch.zeros((), dtype=dtype, device=device)
+            (g.to(acc).pow(norm_type).sum() for g in owned), torch.zeros((), dtype=acc, device=device)
         )
-    if pg is not None:
-        local = local.to(pg.device)
+    if pg is not None:  # with whether any rank's gradients are fp64: the norm's dtype on all
+        both = torch.stack([local, torch.tensor(float(dtype == torch.float64), dtype=acc)]).to(pg.device)
         dist.all_reduce(
-            local, op=dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM, group=pg.group
+            both, op=dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM, group=pg.group
         )
+        local, dtype = both[0], torch.float64 if both[1].item() > 0 else torch.float32
     total = local if norm_type == math.inf else local.pow(1.0 / norm_type)
     coef = max_norm / (float(total) + 1e-6)
     if coef < 1.0:
         for g in leaves:
             if g is not None:
                 g.mul_(coef)
-    return total.to(device)
+    return total.to(device=device, dtype=dtype)
 
 
 def _owned_leaves(grads: Any, pipeline: Any) -> list[torch.Tensor]:

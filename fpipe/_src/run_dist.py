@@ -208,7 +208,16 @@ class _State:
             for key in keys:
                 bundle = self.r.channels[peer][key[1]]
                 _, bufs = self.recv_works.pop(key)
-                self.envs[bundle.action.mb].update(zip(bundle.names, bufs))
+                self.envs[bundle.action.mb].update(
+                    (n, self._laid_out(n, b)) for n, b in zip(bundle.names, bufs)
+                )
+
+    def _laid_out(self, name: str, buf: torch.Tensor) -> torch.Tensor:
+        """A received (contiguous) value in the layout it was traced with, if that differs."""
+        stride = self.r.staged.strides.get(name)
+        if stride is None:
+            return buf
+        return torch.empty_strided(buf.shape, stride, dtype=buf.dtype, device=buf.device).copy_(buf)
 
     def _waiting(self, a: Action, peer: int, idx: int) -> str:
         src = self.r.channels[peer][idx].action

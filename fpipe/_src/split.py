@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._prims_common import is_non_overlapping_and_dense_or_false
 
 from .marker import BOUNDARY, BOUNDARY_BWD
 from .rng import is_random, seeded
@@ -80,6 +81,9 @@ class Staged:
     producer: dict[str, Place]  # which program computes each non-input value
     consumers: dict[str, list[Place]]  # which programs read each value
     meta: dict[str, tuple[torch.Size, torch.dtype]]
+    # Values traced with a non-contiguous layout (a transpose): a rank that receives one lays it
+    # out the same way, since the program may view it in a way only that layout allows.
+    strides: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
     def place_inputs(self, place: Place) -> list[str]:
         return self.programs[place].inputs if place in self.programs else []
@@ -343,11 +347,13 @@ def _build(pl: _Placer, joint: Joint) -> Staged:
     programs = {}
     for place, nodes in by_place.items():
         programs[place] = _program(pl, place, nodes, consumers, producer, out_vals)
-    meta = {}
+    meta, strides = {}, {}
     for node in pl.nodes:
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor):
             meta[node.name] = (val.shape, val.dtype)
+            if not val.is_contiguous() and is_non_overlapping_and_dense_or_false(val):
+                strides[node.name] = tuple(val.stride())
     n_p, n_d, n_c = joint.n_params, joint.n_data, joint.n_consts
     names = [n.name for n in phs]
     return Staged(
@@ -362,6 +368,7 @@ def _build(pl: _Placer, joint: Joint) -> Staged:
         producer=producer,
         consumers=dict(consumers),
         meta=meta,
+        strides=strides,
     )
 
 

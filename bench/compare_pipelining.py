@@ -14,8 +14,8 @@ cut through `fpipe.stage_boundary` at the same block; torch gets `PipelineStage`
 copy of the same reference model. Both libraries hold only their own rank's parameters.
 
 `--schedule NAME+auto` adds a row where fpipe cuts the model itself (no `stage_boundary`: its
-partitioner splits by estimated cost) against torch's equal split: fpipe's own best, not a
-like-for-like comparison.
+partitioner splits by each operation's measured time, `partition="measure"`) against torch's
+equal split: fpipe's own best, not a like-for-like comparison.
 
 Every round runs, for each schedule, one fpipe step and one torch step (which goes first
 alternates by round), then one unpipelined step: `torch.func.grad_and_value` of the same loss
@@ -140,7 +140,9 @@ class FpipeTrainer:
         def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             return lm_loss(fn(params, x), y)
 
-        self.piped = fpipe.pipeline(loss_fn, microbatches=m, schedule=schedule)
+        self.piped = fpipe.pipeline(
+            loss_fn, microbatches=m, schedule=schedule, partition="measure" if auto else "estimate"
+        )
         self.params = self.piped.materialize(model, x, y, state_dict=ref.state_dict())
         local = [v for v in self.params.values() if not v.is_meta]
         self.opt = torch.optim.AdamW(local, **ADAMW)

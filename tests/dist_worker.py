@@ -131,6 +131,20 @@ def build_model(kind: str, p: int) -> tuple[nn.Module, tuple[torch.Tensor, ...],
             return F.cross_entropy(fn(params, x).flatten(0, 1), y.flatten())
 
         return model, (x, y), lm
+    if kind == "mlp_transposed":
+        # p - 1 stages of MLP, then a boundary on a transposed (non-contiguous) value that the
+        # last stage views in a way only that layout allows: the receiver must keep the layout.
+        model = MLP(stages=p - 1)
+        x = torch.randn(BATCH, 6, generator=g)
+        y = torch.randn(BATCH, 3, generator=g)
+
+        def mse_t(
+            fn: Callable[..., torch.Tensor], params: Any, x: torch.Tensor, y: torch.Tensor
+        ) -> torch.Tensor:
+            h = fpipe.stage_boundary(fn(params, x).t())
+            return (h.t().view(-1) - y.view(-1)).pow(2).mean()
+
+        return model, (x, y), mse_t
     model = MLP(stages=p if kind == "mlp_markers" else None)
     x = torch.randn(BATCH, 6, generator=g)
     y = torch.randn(BATCH, 3, generator=g)
@@ -178,7 +192,14 @@ def run_case(case: dict[str, Any], p: int, rank: int, two_steps: bool) -> dict[s
     def ref_loss(params: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return loss_of(ref_fn, params, x, y)
 
-    piped = fpipe.pipeline(loss, stages=stages, microbatches=m, schedule=sched, timeout=60)
+    piped = fpipe.pipeline(
+        loss,
+        stages=stages,
+        microbatches=m,
+        schedule=sched,
+        timeout=60,
+        partition=case.get("partition", "estimate"),
+    )
     if kind == "gpt_meta":
         params = piped.materialize(model, *inputs, state_dict=ref_model.state_dict())
     out: dict[str, Any] = {"all_keys": sorted(params)}
@@ -193,6 +214,8 @@ def run_case(case: dict[str, Any], p: int, rank: int, two_steps: bool) -> dict[s
         out["step2"] = steps[1]
     out["keys_read"] = keys_read_by_rank(piped, rank)
     out["n_stages"] = vg_compiled(piped).staged.n_stages
+    staged = vg_compiled(piped).staged  # where the cuts went: the same on every rank
+    out["cut"] = sorted((f"{k}{s}", sorted(prog.inputs)) for (k, s), prog in staged.programs.items())
     out["schedule_stage_rank"] = list(vg_compiled(piped).runner.schedule.stage_rank)
     if case["forward"]:  # forward only, at the parameters after the optimizer step(s)
         fwd = piped(params, *inputs)
@@ -230,7 +253,7 @@ def one_step(
     norm = fpipe.clip_grad_norm_(grads, max_norm, pipeline=piped)
     out["norm"], out["ref_norm"], out["norm_dtype"] = norm.item(), ref_norm, str(norm.dtype)
     coef = max_norm / (norm.item() + 1e-6)  # what clipping by the returned norm must have applied
-    out["clip_err"] = max((g - rg[k] * coef).abs().max().item() for k, g in grads.items())
+    out["clip_err"] = max(((g - rg[k] * coef).abs().max().item() for k, g in grads.items()), default=0.0)
     # AdamW on this rank's parameters (through .grad) against AdamW on the reference's, both
     # with the reference gradients clipped by the same coefficient.
     local = {k: v for k, v in params.items() if not v.is_meta}
@@ -242,8 +265,9 @@ def one_step(
     for k, v in ref_params.items():
         v.grad = rg[k] * coef
     ref_opt.step()
-    out["adamw_err"] = max((local[k] - ref_params[k]).abs().max().item() for k in grads)
-    out["adamw_moved"] = min((local[k] - before[k]).abs().max().item() for k in grads)
+    # (a rank whose stages hold no parameters has no gradients: nothing to compare)
+    out["adamw_err"] = max(((local[k] - ref_params[k]).abs().max().item() for k in grads), default=0.0)
+    out["adamw_moved"] = min(((local[k] - before[k]).abs().max().item() for k in grads), default=None)
     for v in ref_params.values():
         v.grad = None
     for v in local.values():
@@ -292,6 +316,9 @@ def cases(p: int, m: int) -> list[dict[str, Any]]:
             add("one", name, models, None if own == p else p, forward=name == "1f1b")
         if own is not None and own != p:
             add("multi", name, ["mlp_auto", "gpt"] if name in GPT_TOO else ["mlp_auto"], None)
+    add("layout", "1f1b", ["mlp_transposed"], None)
+    add("measured", "1f1b", ["gpt"], p)
+    out[-1].update(partition="measure", id=f"{out[-1]['id']}-measure")
     for name in fpipe.schedules.names():  # last: a refused call reports its error to the c10d store
         if not builds(name, p, m, stages=p):
             add("refused", name, ["mlp_auto"], p)

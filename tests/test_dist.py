@@ -95,12 +95,21 @@ def _assert_step_parity(recs: list[dict[str, Any]]) -> None:
         assert not bad, f"rank {rank}: gradients differ from the reference: {bad}"
 
 
-@pytest.mark.parametrize(("launch", "case_id"), _params(("one", "multi")))
+@pytest.mark.parametrize(("launch", "case_id"), _params(("one", "multi", "layout", "measured")))
 def test_loss_and_grads_equal_the_reference(results, launch, case_id):
     recs = _records(results, launch, case_id)
     _assert_step_parity(recs)
     if "step2" in recs[0]:  # the cached program, after an optimizer step
         _assert_step_parity([rec["step2"] for rec in recs])
+
+
+@pytest.mark.parametrize(("launch", "case_id"), _params(("measured",)))
+def test_measured_partition_cuts_alike_on_every_rank(results, launch, case_id):
+    """Each rank times the operations itself; the times are averaged over the ranks first, so
+    every rank cuts at the same places (else the ranks would run different programs)."""
+    recs = _records(results, launch, case_id)
+    assert all(rec["cut"] == recs[0]["cut"] for rec in recs)
+    assert recs[0]["n_stages"] == len(recs)
 
 
 @pytest.mark.parametrize(("launch", "case_id"), _params(("one", "multi")))
@@ -142,9 +151,10 @@ def test_each_rank_gets_the_grads_of_the_params_its_stages_use(results, launch, 
 # -- clip_grad_norm_, AdamW, forward only -----------------------------------------------------------
 
 
-@pytest.mark.parametrize(("launch", "case_id"), _params(("one", "multi")))
+@pytest.mark.parametrize(("launch", "case_id"), _params(("one", "multi", "layout")))
 def test_clip_grad_norm_is_the_global_norm_and_clips_by_it(results, launch, case_id):
-    """The norm over all ranks' parameters (a shared one counted once), in fp64 like the grads."""
+    """The norm over all ranks' parameters (a shared one counted once), in fp64 like the grads,
+    also on a rank whose stage holds no parameters (layout: the last stage only takes the loss)."""
     recs = _records(results, launch, case_id)
     assert len({rec["norm"] for rec in recs}) == 1, [rec["norm"] for rec in recs]
     for rank, rec in enumerate(recs):

@@ -223,6 +223,11 @@ def test_item_on_a_tensor_names_the_user_line(model):
             "pipeline(loss, microbatches=2.0): microbatches must be a positive int, got 2.0.",
         ),
         ({"stages": 0}, "pipeline(loss, stages=0): stages must be a positive int or None."),
+        (
+            {"stages": 2, "partition": "profile"},
+            "pipeline(loss, microbatches=1, partition='profile'): partition must be 'estimate' (a "
+            "static cost model) or 'measure' (time each operation on the device).",
+        ),
     ],
 )
 def test_bad_pipeline_arguments(model, kwargs, msg):

@@ -22,6 +22,7 @@ from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 from . import tree
 from .dist import DEFAULT_TIMEOUT, PeerFailure, PPGroup, pp_group
 from .marker import BOUNDARY
+from .measure import measure_costs
 from .partition import auto_partition
 from .rng import set_step
 from .run import LocalRunner, Results, Timeline
@@ -95,9 +96,11 @@ class Pipelined:
         mesh: Any = None,
         timeout: float = DEFAULT_TIMEOUT,
         compile: bool | dict[str, Any] = False,
+        partition: str = "estimate",
     ) -> None:
         self.f = f
         self.compile = compile
+        self.partition = partition
         self.mesh = mesh
         self.timeout = timeout
         self._pg: PPGroup | None | bool = False  # False: not looked up yet
@@ -197,7 +200,7 @@ class Pipelined:
         fwd = trace_forward(
             call, self.f, self._rebuild(inp), _wanting_grad(fakes, inp, grad_of), len(inp.param_leaves)
         )
-        stage_costs = self._cut(fwd)
+        stage_costs = self._cut(fwd, [*inp.param_leaves, *mb0], data_device)
         reductions = self._reductions(fwd)
         const_fakes = [trace_fake(mode, c, data_device) for c in fwd.consts]
         if grad_of is None:
@@ -238,7 +241,7 @@ class Pipelined:
             )
         return split_backward(staged, [s for s, k in kinds.items() if k & {"I", "W"}])
 
-    def _cut(self, fwd: Forward) -> list[float] | None:
+    def _cut(self, fwd: Forward, mb0: list[torch.Tensor], device: torch.device) -> list[float] | None:
         has_markers = bool(fwd.gm.graph.find_nodes(op="call_function", target=BOUNDARY))
         stages = self.stages
         if stages is None and not has_markers and self.pg is not None:
@@ -256,7 +259,10 @@ class Pipelined:
                     "stage_boundary calls to let fpipe choose the cuts."
                 )
             return None
-        return auto_partition(self._call_str(), fwd, stages)
+        measure = None
+        if self.partition == "measure":
+            measure = functools.partial(measure_costs, fwd, mb0, device, self.pg, self.timeout)
+        return auto_partition(self._call_str(), fwd, stages, measure)
 
     def _schedule(self, n_stages: int) -> Schedule:
         s = self.schedule
@@ -756,6 +762,7 @@ def pipeline(
     mesh: Any = None,
     timeout: float = DEFAULT_TIMEOUT,
     compile: bool | dict[str, Any] = False,
+    partition: str = "estimate",
 ) -> Pipelined:
     """Cut `f` into pipeline stages and run it over microbatches.
 
@@ -780,6 +787,11 @@ def pipeline(
         compile: compile every stage program with `torch.compile` (True, or a dict of its
             keyword arguments). Off by default: on CPU it costs about a minute per program on
             a small machine and gave no speed-up (see docs/BENCHMARKS.md); try it on GPU.
+        partition: how `stages=N` cuts a function without boundaries: "estimate" (default;
+            a static cost model, deterministic, needs no real tensors) or "measure" (each
+            operation's forward + backward timed on the device at one microbatch's shapes,
+            averaged over the pipeline ranks; costs a forward-backward's time or so at the
+            first call, and balances what the estimate misjudges, such as attention on CPU).
 
     Returns:
         A `Pipelined` callable with `f`'s signature; use it under `fpipe.value_and_grad`,
@@ -806,13 +818,18 @@ def pipeline(
         )
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"{call}: microbatches must be a positive int, got {microbatches!r}.")
+    if partition not in ("estimate", "measure"):
+        raise ValueError(
+            f"{call.rstrip(')')}, partition={partition!r}): partition must be 'estimate' (a static "
+            "cost model) or 'measure' (time each operation on the device)."
+        )
     if stages is not None and (not isinstance(stages, int) or stages < 1):
         raise ValueError(
             f"pipeline({_fn_name(f)}, stages={stages!r}): stages must be a positive int or None."
         )
     return Pipelined(
         f, stages=stages, microbatches=microbatches, schedule=schedule, in_axes=in_axes, out_axes=out_axes,
-        mesh=mesh, timeout=timeout, compile=compile,
+        mesh=mesh, timeout=timeout, compile=compile, partition=partition,
     )  # fmt: skip
 
 

@@ -3,16 +3,21 @@
 Used when `pipeline(f, stages=N)` is given a function without `stage_boundary` calls. The forward
 graph's operations are costed (matrix products by their flops, other operations by the elements
 they write, views free), and N - 1 cuts are chosen in program order so that each stage gets about
-an equal share; near each ideal cut the position with the fewest live activation bytes wins, so
-little crosses between stages. The cuts are written into the graph as ordinary boundary markers on
+an equal share: each cut goes where the distance from the ideal share plus the cost of sending
+what is live across it (`_BYTE_WEIGHT` per byte) is least, so between two nearly equal positions
+the one where less crosses wins. The cuts are written into the graph as ordinary boundary markers on
 everything that crosses them (data inputs read later included, so work after cut k is on stage k
 or later), so from here on an automatic split is the same as a hand-written one.
+
+With `partition="measure"` the costs are instead each operation's measured forward + backward
+time on the device (`measure.py`), rescaled to the same units.
 """
 
 from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,6 +36,9 @@ _VIEWS = {
     "split_with_sizes", "clone", "contiguous",
 }  # fmt: skip
 _ELEMENT_WEIGHT = 4.0  # a written element costs about as much as 4 flops of a matrix product
+# A byte that crosses a cut costs about 2 flops (8 per fp32 element: copied out, sent, copied
+# in). Small next to compute: a cut moves off a layer boundary only where that balances better.
+_BYTE_WEIGHT = 2.0
 
 
 def _val(n: Any) -> Any:
@@ -70,14 +78,25 @@ def _activations(nodes: list[fx.Node], n_params: int, n_data: int) -> set[fx.Nod
     return act
 
 
-def auto_partition(call: str, fwd: Forward, n_stages: int) -> list[float]:
-    """Insert `n_stages - 1` boundary markers into `fwd.gm`; return each stage's estimated cost."""
+def auto_partition(
+    call: str, fwd: Forward, n_stages: int, measure: Callable[[], dict[fx.Node, float]] | None = None
+) -> list[float]:
+    """Insert `n_stages - 1` boundary markers into `fwd.gm`; return each stage's estimated cost.
+
+    `measure`: returns each node's measured seconds (`measure.measure_costs`), used instead of
+    the static estimate (rescaled to its units, so `_BYTE_WEIGHT` keeps its meaning)."""
     graph = fwd.gm.graph
     graph.eliminate_dead_code()  # dead work is neither costed nor sent between stages
     nodes = list(graph.nodes)
     act = _activations(nodes, fwd.n_params, fwd.n_data)
     index = {n: i for i, n in enumerate(nodes)}
     cost = [node_cost(n) if n in act else 0.0 for n in nodes]
+    if measure is not None:
+        seconds = measure()
+        timed = [seconds.get(n, 0.0) if n in act else 0.0 for n in nodes]
+        if sum(timed) > 0:
+            scale = sum(cost) / sum(timed)
+            cost = [t * scale for t in timed]
     cum = [0.0]
     for c in cost:
         cum.append(cum[-1] + c)
@@ -93,17 +112,13 @@ def auto_partition(call: str, fwd: Forward, n_stages: int) -> list[float]:
     lo = 1
     for k in range(1, n_stages):
         target = total * k / n_stages
-        tol = total / (4 * n_stages)
         prev = cum[cuts[-1]] if cuts else 0.0
         # every stage gets work: more cost than the previous cut, and some left after this one
         ok = [i for i in range(lo, len(nodes) - 1) if cuttable[i] and prev < cum[i] < total]
         if len(ok) < n_stages - k:
             raise ValueError(f"{call}: cannot cut the function into {n_stages} stages that each have work.")
         ok = ok[: len(ok) - (n_stages - 1 - k)] if n_stages - 1 - k else ok
-        cands = [i for i in ok if abs(cum[i] - target) <= tol] or [
-            min(ok, key=lambda i: abs(cum[i] - target))
-        ]
-        best = min(cands, key=lambda i: (live_bytes[i], abs(cum[i] - target)))
+        best = min(ok, key=lambda i: abs(cum[i] - target) + _BYTE_WEIGHT * live_bytes[i])
         cuts.append(best)
         lo = best + 1
     for i in reversed(cuts):

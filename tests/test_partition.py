@@ -1,0 +1,90 @@
+"""Automatic cuts: `stages=N` on a function without boundaries, by the static estimate or by
+measured times (`partition="measure"`).
+
+The function below is built so that the two disagree: a batched matrix inverse (cubic work, a
+small output) after a matrix product, then a chain of cheap elementwise operations. The static
+estimate rates the product far above the inverse (flops vs elements written) and cuts right
+after it; measured times put the cut after the inverse, which is most of the work. Either way
+the gradients equal the unsplit function's (cuts never change results).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from models import assert_trees_close, compiled
+
+import fpipe
+
+DT = torch.float64
+N = 96
+
+
+def heavy_then_cheap(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    h = torch.linalg.inv(x @ w + 4 * torch.eye(N, dtype=x.dtype))
+    for _ in range(12):
+        h = torch.tanh(h) * 1.01
+    return h.pow(2).mean()
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(N, N, generator=g, dtype=DT) / 10, torch.randn(48, N, N, generator=g, dtype=DT)
+
+
+def _stage_of_inverse(piped: fpipe.Pipelined) -> int:
+    staged = compiled(piped).staged
+    return next(
+        s
+        for (kind, s), prog in staged.programs.items()
+        if kind == "F" and any("linalg_inv" in str(n.target) for n in prog.gm.graph.nodes)
+    )
+
+
+@pytest.mark.parametrize(("partition", "inverse_on"), [("estimate", 1), ("measure", 0)])
+def test_measured_costs_move_the_cut_past_the_heavy_operation(inputs, partition, inverse_on):
+    piped = fpipe.pipeline(heavy_then_cheap, stages=2, microbatches=2, partition=partition)
+    loss, grad = fpipe.value_and_grad(piped)(*inputs)
+    assert_trees_close((loss, grad), torch.func.grad_and_value(heavy_then_cheap)(*inputs)[::-1])
+    assert _stage_of_inverse(piped) == inverse_on
+    costs = compiled(piped).stage_costs
+    assert len(costs) == 2 and min(costs) > 0
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_measured_partition_of_a_gpt_matches_the_reference(stages):
+    from models import GPT
+
+    torch.manual_seed(0)
+    fn, params = fpipe.functionalize(GPT().to(DT))
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, 11, (8, 5), generator=g), torch.randint(0, 11, (8, 5), generator=g)
+
+    def loss(p, x, y):
+        return torch.nn.functional.cross_entropy(fn(p, x).flatten(0, 1), y.flatten())
+
+    piped = fpipe.pipeline(loss, stages=stages, microbatches=4, partition="measure")
+    got = fpipe.value_and_grad(piped)(params, x, y)
+    assert_trees_close(got, torch.func.grad_and_value(loss)(params, x, y)[::-1])
+    assert compiled(piped).staged.n_stages == stages
+
+
+def test_measuring_leaves_the_callers_buffers_alone():
+    """Operations that update state in place (BatchNorm's running statistics) are not run by
+    the measurement: after one step the buffers equal eager's after one forward."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Tanh(), torch.nn.Linear(8, 2)
+    ).to(DT)
+    eager = copy.deepcopy(model)
+    fn, params = fpipe.functionalize(model)
+    x = torch.randn(16, 4, dtype=DT)
+    piped = fpipe.pipeline(lambda p, x: fn(p, x).pow(2).mean(), stages=2, microbatches=1, partition="measure")
+    fpipe.value_and_grad(piped)(params, x)
+    eager(x)
+    got, want = dict(model.named_buffers()), dict(eager.named_buffers())
+    assert int(got.pop("1.num_batches_tracked")) == int(want.pop("1.num_batches_tracked")) == 1
+    assert_trees_close(got, want)

@@ -47,7 +47,6 @@ from models import CONFIGS, GPT, cuts_for, fpipe_revision, lm_loss, make_batch  
 
 import fpipe  # noqa: E402
 from fpipe._src import run as _run  # noqa: E402  (instrumented below)
-from fpipe._src import run_dist as _run_dist  # noqa: E402
 
 MIB = 2**20
 
@@ -101,8 +100,7 @@ class LiveBytes:
 
 
 TRACK = LiveBytes()
-_run.execute = TRACK.wrap(_run.execute)
-_run_dist.execute = TRACK.wrap(_run_dist.execute)
+_run.execute = TRACK.wrap(_run.execute)  # both runners call it through run.run_program
 _LIBC = ctypes.CDLL("libc.so.6")
 
 

@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import CONFIGS, GPT, GPTConfig, cuts_for, fpipe_revision, lm_loss, make_batch, stage_modules  # noqa: E402
 
 import fpipe  # noqa: E402
-from fpipe._src import run_dist as _run_dist  # noqa: E402  (instrumented below)
+from fpipe._src import run as _run  # noqa: E402  (instrumented below)
 
 # fpipe schedule -> (torch schedule class, stages per rank, placement)
 PAIRS: dict[str, tuple[str, int, str]] = {
@@ -118,10 +118,10 @@ class Timer:
         setattr(obj, name, self.wrapped(getattr(obj, name)))
 
 
-# fpipe's compute: every program run goes through run_dist.execute (the timeline's "action"
+# fpipe's compute: every program run goes through run.execute (the timeline's "action"
 # events); wrapping it adds the thread-CPU time, measured as for torch's stage calls.
 FPIPE_COMPUTE = Timer()
-_run_dist.execute = FPIPE_COMPUTE.wrapped(_run_dist.execute)
+_run.execute = FPIPE_COMPUTE.wrapped(_run.execute)
 # torch's waits for its p2p transfers (receives, and sends: torch waits for those too).
 TORCH_WAIT = Timer()
 _torch_schedules._wait_batch_p2p = TORCH_WAIT.wrapped(_torch_schedules._wait_batch_p2p)

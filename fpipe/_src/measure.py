@@ -48,62 +48,58 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_node(node: fx.Node, args: Any, kwargs: Any, device: torch.device, reps: int) -> tuple[float, Any]:
+def _time_node(target: Any, args: Any, kwargs: Any, device: torch.device, reps: int) -> tuple[float, Any]:
     """Fastest of `reps` runs of the operation, forward then backward; and its output. An
     operation that can't be differentiated with respect to some input (SDPA's float mask) is
     timed forward only, its backward taken as twice that (a matrix product's ratio)."""
     leaves, _ = tree_flatten((args, kwargs))
     diff = [t for t in leaves if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())]
-    target: Any = node.target
     best, out, backward = float("inf"), None, bool(diff)
     for _ in range(reps):
-        _sync(device)
-        start = time.perf_counter()
         if backward:
             try:
-                ins = {id(t): t.detach().requires_grad_() for t in diff}
-                a, k = tree_map(lambda v, ins=ins: ins.get(id(v), v), (args, kwargs))
-                with torch.enable_grad():
-                    out = target(*a, **k)
-                    outs = [
-                        o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.requires_grad
-                    ]
-                    if outs:
-                        torch.autograd.grad(
-                            outs, list(ins.values()), [torch.ones_like(o) for o in outs], allow_unused=True
-                        )
+                seconds, out = _timed(device, _forward_backward, target, args, kwargs, diff)
             except RuntimeError:
                 backward = False
-                continue
-        else:
-            with torch.no_grad():
-                out = target(*args, **kwargs)
-        _sync(device)
-        best = min(best, (time.perf_counter() - start) * (1 if backward else 3))
-    if best == float("inf"):  # every try failed to differentiate: time the forward once more
-        return _time_node_forward(target, args, kwargs, device), _detached(out)
-    return best, _detached(out)
+        if not backward:
+            seconds, out = _timed(device, _forward, target, args, kwargs, diff)
+            seconds *= 3
+        best = min(best, seconds)
+    return best, tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, out)
 
 
-def _time_node_forward(target: Any, args: Any, kwargs: Any, device: torch.device) -> float:
+def _timed(device: torch.device, run: Any, *args: Any) -> tuple[float, Any]:
+    """Wall seconds of `run(*args)` (the device synchronised around it), and its result."""
     _sync(device)
     start = time.perf_counter()
-    with torch.no_grad():
-        target(*args, **kwargs)
+    out = run(*args)
     _sync(device)
-    return 3 * (time.perf_counter() - start)
+    return time.perf_counter() - start, out
+
+
+def _forward(target: Any, args: Any, kwargs: Any, diff: list[torch.Tensor]) -> Any:
+    with torch.no_grad():
+        return target(*args, **kwargs)
+
+
+def _forward_backward(target: Any, args: Any, kwargs: Any, diff: list[torch.Tensor]) -> Any:
+    ins = {id(t): t.detach().requires_grad_() for t in diff}
+    a, k = tree_map(lambda v: ins.get(id(v), v), (args, kwargs))
+    with torch.enable_grad():
+        out = target(*a, **k)
+        outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
+        if outs:
+            torch.autograd.grad(
+                outs, list(ins.values()), [torch.ones_like(o) for o in outs], allow_unused=True
+            )
+    return out
 
 
 def _harness_overhead(device: torch.device, reps: int) -> float:
     """What timing an operation costs by itself (Python, autograd): timed on a one-element add,
     and taken off every measurement, so many small operations don't outweigh a few large ones."""
     one = torch.ones(1, device=device)
-    node = fx.Graph().call_function(torch.ops.aten.add.Tensor, (one, one))
-    return min(_time_node(node, (one, one), {}, device, reps)[0] for _ in range(3))
-
-
-def _detached(out: Any) -> Any:
-    return tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, out)
+    return min(_time_node(torch.ops.aten.add.Tensor, (one, one), {}, device, reps)[0] for _ in range(3))
 
 
 def measure_costs(
@@ -153,7 +149,7 @@ def measure_costs(
             env[node] = node.target(*args, **kwargs)  # type: ignore[operator]
             costs[node] = 0.0
         else:
-            seconds, env[node] = _time_node(node, args, kwargs, device, reps)
+            seconds, env[node] = _time_node(node.target, args, kwargs, device, reps)
             costs[node] = max(seconds - overhead, 0.0)
         for d in node.all_input_nodes:
             if last_use.get(d) == i:

@@ -19,7 +19,7 @@ from .rng import set_microbatch
 from .schedule import Action, Schedule, execution_order
 from .split import Place, Staged
 
-__all__ = ["LocalRunner", "Timeline", "action_place", "execute"]
+__all__ = ["LocalRunner", "Timeline", "action_place", "execute", "release", "run_program"]
 
 
 class Timeline:
@@ -98,6 +98,39 @@ def execute(prog: Any, args: list[Any], a: Action, rank: int, timeline: Timeline
     return outs
 
 
+def run_program(
+    prog: Any,
+    a: Action,
+    rank: int,
+    env: dict[str, Any],
+    glob: dict[str, torch.Tensor],
+    timeline: Timeline,
+    out_index: dict[Place, list[tuple[int, str]]],
+    results: Results,
+) -> None:
+    """Run action `a`'s program on its microbatch's values `env` (else `glob`), store its outputs
+    in `env`, and hand those that are outputs of the step (`out_index`) to `results`."""
+    args = [env[n] if n in env else glob[n] for n in prog.inputs]
+    outs = execute(prog, args, a, rank, timeline)
+    env.update(zip(prog.outputs, outs))
+    del args, outs
+    for i, name in out_index.get(prog.place, ()):
+        results.put(a.mb, i, env[name])
+
+
+def release(prog: Any, env: dict[str, Any], rem: dict[str, int]) -> None:
+    """After `prog` ran: drop each value it read or wrote that no later program here reads
+    (`rem`: readers left per value, counted down)."""
+    for n in prog.inputs:
+        if n in rem:
+            rem[n] -= 1
+            if rem[n] <= 0:
+                env.pop(n, None)
+    for n in prog.outputs:
+        if rem.get(n, 0) <= 0:
+            env.pop(n, None)
+
+
 def action_place(a: Action) -> Place:
     return (a.kind, a.stage)
 
@@ -143,21 +176,9 @@ class LocalRunner:
             prog = programs.get(action_place(a))
             if prog is None:
                 continue
-            env, rem = envs[a.mb], left[a.mb]
-            args = [env[n] if n in env else glob[n] for n in prog.inputs]
-            outs = execute(prog, args, a, self.schedule.stage_rank[a.stage], self.timeline)
-            env.update(zip(prog.outputs, outs))
-            del args, outs
-            for i, name in self._out_index.get(prog.place, ()):
-                results.put(a.mb, i, env[name])
-            for n in prog.inputs:
-                if n in rem:
-                    rem[n] -= 1
-                    if rem[n] == 0:
-                        env.pop(n, None)
-            for n in prog.outputs:
-                if rem.get(n, 0) == 0:
-                    env.pop(n, None)
+            rank = self.schedule.stage_rank[a.stage]
+            run_program(prog, a, rank, envs[a.mb], glob, self.timeline, self._out_index, results)
+            release(prog, envs[a.mb], left[a.mb])
         for m, row in enumerate(results.per_mb):  # outputs that are inputs (f returns an argument)
             for i, name in enumerate(self.staged.out_names):
                 if row[i] is None and name and i not in summed:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .dist import PeerFailure, PPGroup, SendReaper, exit_hard_after_failure
-from .run import Results, Timeline, action_place, execute
+from .run import Results, Timeline, action_place, release, run_program
 from .schedule import Action, Schedule
 from .split import Place, Staged
 
@@ -147,22 +147,10 @@ class DistRunner:
         prog = self.staged.programs.get(action_place(a))
         if prog is None:
             return
-        env, rem = st.envs[a.mb], st.left[a.mb]
-        args = [env[n] if n in env else glob[n] for n in prog.inputs]
-        outs = execute(prog, args, a, self.rank, self.timeline)
-        env.update(zip(prog.outputs, outs))
-        del args, outs
-        for i, name in self._out_index.get(prog.place, ()):
-            results.put(a.mb, i, env[name])
+        env = st.envs[a.mb]
+        run_program(prog, a, self.rank, env, glob, self.timeline, self._out_index, results)
         st.send(a, env)
-        for n in prog.inputs:
-            if n in rem:
-                rem[n] -= 1
-                if rem[n] <= 0:
-                    env.pop(n, None)
-        for n in prog.outputs:
-            if rem.get(n, 0) <= 0:
-                env.pop(n, None)
+        release(prog, env, st.left[a.mb])
 
 
 class _State:

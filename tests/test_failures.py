@@ -16,11 +16,17 @@ each process's exit.
 
 from __future__ import annotations
 
+import datetime
 import re
+import time
 from typing import Any
 
 import pytest
+import torch
+import torch.distributed as dist
 from dist_launch import free_port, kill, read_json, report, start, start_ranks, torchrun_cmd, wait_all
+
+from fpipe._src import dist as fdist
 
 WORLD = 4
 BOUND_S = 60.0  # every process must be gone this long after the fault
@@ -183,8 +189,11 @@ def test_kill_rank0_names_the_killed_rank(runs):
 
 LIVE = [0, 1, 3]
 TIMED_OUT = re.compile(
-    rf"fpipe rank (\d): timed out after {TIMEOUT_S} s at action \S+ \(stage \d, microbatch \d\) waiting for "
-    r"rank \d's action \S+ \(stage \d, microbatch \d\); rank (\d)(?: \(waited on through ranks \[[\d, ]+\]\))? "
+    rf"fpipe rank (\d): timed out after {TIMEOUT_S} s "
+    # the main thread's receive, or the send reaper's send (gloo's send waits for the receiver)
+    r"(?:at action \S+ \(stage \d, microbatch \d\) waiting for rank \d's action \S+ \(stage \d, microbatch \d\)"
+    r"|sending \S+'s outputs \(stage \d, microbatch \d\) to rank \d)"
+    r"; rank (\d)(?: \(waited on through ranks \[[\d, ]+\]\))? "
     r"is not responding \(stopped, stuck, or far slower\)\. Raise pipeline\(\.\.\., timeout=\.\.\.\) if it is "
     r"only slow\."
 )
@@ -244,3 +253,45 @@ def test_two_nodes_raise_names_the_failing_rank_on_both_nodes(runs):
         f"(stage 1, microbatch 3): {ROOT_CAUSE}"
     )
     assert expected in node1, node1[-3000:]
+
+
+# -- the timing race behind (c), in one process: two ranks' timeouts fire together ----------------
+
+
+class _TimesOut:
+    """A p2p work whose wait times out (as gloo's does) after `after` seconds."""
+
+    def __init__(self, after: float) -> None:
+        self.after = after
+
+    def wait(self, timeout: Any = None) -> None:
+        time.sleep(self.after)
+        raise RuntimeError("[gloo] Timed out waiting 400ms for recv operation to complete")
+
+
+def test_simultaneous_timeouts_still_blame_the_stopped_rank(monkeypatch):
+    """Rank 1 waits on (stopped) rank 2; rank 0 waits on rank 1. When rank 1's timeout fires just
+    before rank 0's, rank 0 must still name rank 2: rank 1's wait record outlives its raise, and a
+    failure already reported is repeated rather than re-diagnosed."""
+    monkeypatch.setattr(fdist, "exit_hard_after_failure", lambda: None)  # keep pytest alive
+    store = dist.HashStore()
+    store.set_timeout(datetime.timedelta(seconds=5))  # a get of a missing key fails, never hangs
+    ranks = [fdist.PPGroup(None, r, 3, torch.device("cpu"), store) for r in range(3)]
+    where = {1: "at action B1.2 (stage 1, microbatch 2)", 0: "at action B0.2 (stage 0, microbatch 2)"}
+
+    # rank 1 times out first; its wait (long enough to be recorded) was on rank 2
+    with pytest.raises(TimeoutError, match=r"fpipe rank 1: timed out .*; rank 2 is not responding"):
+        ranks[1].wait_all([_TimesOut(1.2)], 0.4, lambda: where[1], peer=2)
+    record = f"{fdist._WAITS_KEY}/1"
+    assert store.check([record]) and store.get(record) == b"2", "rank 1's wait record must outlive its raise"
+
+    # rank 0's timeout fires after rank 1's report: it repeats it
+    with pytest.raises(
+        fdist.PeerFailure, match=r"fpipe rank 0: stopping while .*: fpipe rank 1: timed out .*rank 2 is"
+    ):
+        ranks[0].wait_all([_TimesOut(0.0)], 0.4, lambda: where[0], peer=1)
+
+    # ... and when both fire before either report lands, it follows rank 1's record to rank 2
+    store.delete_key(ranks[0]._failed_key())
+    with pytest.raises(TimeoutError, match=r"rank 2 \(waited on through ranks \[1\]\) is not responding"):
+        ranks[0].wait_all([_TimesOut(0.0)], 0.4, lambda: where[0], peer=1)

@@ -783,7 +783,9 @@ def pipeline(
             NCCL with CUDA, gloo otherwise). Stage s runs on pipeline rank
             `schedule.stage_rank[s]`. Without a process group every stage runs in this process.
         timeout: seconds a rank waits for a peer before failing with an error naming the peer
-            and the action it waited on (a peer that is alive but stopped or stuck).
+            and the action it waited on (a peer that is alive but stopped or stuck). A peer
+            that crashes or is killed ends the others at once (its connections close; they wait
+            up to 2 s for its own report of why, then name it): no timeout is involved.
         compile: compile every stage program with `torch.compile` (True, or a dict of its
             keyword arguments). Off by default: on CPU it costs about a minute per program on
             a small machine and gave no speed-up (see docs/BENCHMARKS.md); try it on GPU.

@@ -35,6 +35,7 @@ __all__ = ["PPGroup", "pp_group", "PeerFailure", "DEFAULT_TIMEOUT"]
 DEFAULT_TIMEOUT = 300.0
 _FAILED_KEY = "fpipe/failed"
 _WAITS_KEY = "fpipe/waits"
+_REPORT_GRACE_S = 2.0  # how long a rank that saw a peer vanish waits for that peer's own report
 _WATCH_LOCK = threading.Lock()
 
 
@@ -92,15 +93,15 @@ class PPGroup:
         deadline = time.monotonic() + timeout
         watch = self._watch(timeout)
         watch.begin(peer)
-        try:
-            for w in works:
-                left = max(deadline - time.monotonic(), 0.001)
-                try:
-                    w.wait(datetime.timedelta(seconds=left))
-                except RuntimeError as err:
-                    self._raise_for(err, timeout, what(), peer)
-        finally:
-            watch.end()
+        for w in works:
+            left = max(deadline - time.monotonic(), 0.001)
+            try:
+                w.wait(datetime.timedelta(seconds=left))
+            except RuntimeError as err:
+                # the record of this wait stays: a neighbour timing out at the same moment
+                # follows it to the rank that stopped
+                self._raise_for(err, timeout, what(), peer)
+        watch.end()
 
     def _watch(self, timeout: float) -> _WaitWatch:
         with _WATCH_LOCK:  # the main thread and the send reaper may both be first
@@ -112,7 +113,7 @@ class PPGroup:
         exit_hard_after_failure()  # gloo threads may stay blocked on the vanished peer
         msg = self.failure()
         text_err = str(err).lower()
-        if "timeout" in text_err or "timed out" in text_err:
+        if msg is None and ("timeout" in text_err or "timed out" in text_err):
             chain = self._wait_chain(peer)
             culprit = f"rank {chain[-1]}" if chain else "that rank"
             via = f" (waited on through ranks {chain[:-1]})" if len(chain) > 1 else ""
@@ -123,12 +124,22 @@ class PPGroup:
             )
             self.report_failure(text)
             raise TimeoutError(text) from err
+        if msg is None:
+            # a closed connection is not always a crash: a peer whose own wait timed out has its
+            # connections torn down by gloo a moment before it reports why; give it that moment
+            msg = self._failure_within(_REPORT_GRACE_S)
         if msg is None:  # the first to see a peer vanish says so, for ranks further away
             self.report_failure(
                 f"rank {self.rank} lost its peer while {what}; that peer crashed or was killed ({err})"
             )
         reason = msg or f"the peer closed the connection; did it crash or get killed? ({err})"
         raise PeerFailure(f"fpipe rank {self.rank}: stopping while {what}: {reason}") from err
+
+    def _failure_within(self, seconds: float) -> str | None:
+        deadline = time.monotonic() + seconds
+        while (msg := self.failure()) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return msg
 
     def _wait_chain(self, peer: int | None) -> list[int]:
         """Follow the recorded waits from `peer`: [peer, whom peer waits for, ...]."""

@@ -16,7 +16,8 @@ other threads (fpipe's send thread drops sent activations), so two measures are 
    activations, boundary tensors, I->W intermediates) and *gradients + loss* (the joint graph's
    outputs; since fpipe ae27a7a each microbatch's parameter gradient is added into one running
    sum as its backward finishes, before that every microbatch's gradient was kept until the step
-   ended). Transients inside one program are not included: this is the memory the schedule
+   ended; with several microbatches the programs now add into the sums themselves, which are
+   counted here from the program's extra inputs). Transients inside one program are not included: this is the memory the schedule
    decides.
 2. *RSS growth* (under torchrun, where rank 0 runs stage 0 alone): peak RSS during a step minus
    RSS before it, after `malloc_trim` and a reset of the peak mark (/proc/self/clear_refs), with
@@ -74,15 +75,18 @@ class LiveBytes:
     def track(self, prog: Any, args: list[Any], outs: Any, action: Any) -> None:
         if prog.place[1] != self.stage:
             return
-        inputs = {t.untyped_storage().data_ptr() for t in args if isinstance(t, torch.Tensor)}
-        for name, t in zip(prog.outputs, outs):
+        n_in = len(prog.inputs)
+        inputs = {t.untyped_storage().data_ptr() for t in args[:n_in] if isinstance(t, torch.Tensor)}
+        # with several microbatches a program adds its gradients into running sums it is given as
+        # extra inputs (`run.accumulating`) and returns None for them: count those sums instead
+        kinds = [("result" if name in self.results else "act", t) for name, t in zip(prog.outputs, outs)]
+        for kind, t in kinds + [("result", t) for t in args[n_in:]]:
             if not isinstance(t, torch.Tensor):
                 continue
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
             if ptr in inputs or storage.nbytes() == 0:
                 continue
-            kind = "result" if name in self.results else "act"
             entry = self.live.setdefault(ptr, [storage.nbytes(), 0, kind])
             if entry[1] == 0:
                 self.bytes[kind] += entry[0]

@@ -166,6 +166,35 @@ def test_value_and_grad_fp32(zoo, kind, stages, microbatches, schedule):
     _run(zoo, kind, stages, microbatches, schedule, torch.float32)
 
 
+@pytest.mark.parametrize(("kind", "schedule"), [("gpt-marked", "1f1b"), ("tied-marked", "zb-h1")])
+def test_programs_accumulate_the_gradients(zoo, monkeypatch, kind, schedule):
+    """With several microbatches each parameter's gradient is added into its running sum inside
+    the program that computes it (`run.accumulating`): every rewritten program runs, no summed
+    gradient passes through the runtime's own sum, and the result equals the reference."""
+    from fpipe._src import run
+
+    rewritten, put = [], []
+    accumulating, results_put = run.accumulating, run.Results.put
+
+    def spy_accumulating(prog, names):
+        gm, done = accumulating(prog, names)
+        rewritten.extend(name for name, _ in done)
+        return gm, done
+
+    def spy_put(self, mb, i, value):
+        if i in self.summed:
+            put.append(i)
+        results_put(self, mb, i, value)
+
+    monkeypatch.setattr(run, "accumulating", spy_accumulating)
+    monkeypatch.setattr(run.Results, "put", spy_put)
+    piped = _run(zoo, kind, 2, 4, schedule, torch.float64)
+    staged = compiled(piped).staged
+    grads = staged.out_names[staged.n_outs :]
+    assert sorted(set(rewritten)) == sorted(set(grads)), "every gradient is summed by its program"
+    assert len(rewritten) == 4 * len(grads) and not put
+
+
 @pytest.mark.parametrize("stages", [2, 3, 4])
 def test_gpt_auto_partition(zoo, stages):
     """The GPT without boundaries, cut by fpipe: also the reference of 'gpt-marked'."""

@@ -7,19 +7,23 @@ memory is exactly what its order implies (1F1B holds fewer microbatches than GPi
 
 from __future__ import annotations
 
+import copy
 import json
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
+import torch.fx as fx
 from torch.profiler import record_function
 
 from .rng import set_microbatch
 from .schedule import Action, Schedule, execution_order
 from .split import Place, Staged
 
-__all__ = ["LocalRunner", "Timeline", "action_place", "execute", "release", "run_program"]
+__all__ = [
+    "LocalRunner", "Timeline", "accumulating", "action_place", "execute", "outputs_by_program", "release", "run_program",
+]  # fmt: skip
 
 
 class Timeline:
@@ -74,6 +78,18 @@ class Results:
             self._inputs = {x.untyped_storage().data_ptr() for x in self._input_tensors if not x.is_meta}
         return t.untyped_storage().data_ptr() not in self._inputs
 
+    def running_sum(self, i: int, like: torch.Tensor) -> torch.Tensor:
+        """Output i's running sum, for a program to add into in place (`accumulating`): created as
+        zeros shaped `like` (a fake tensor) at the first microbatch, so it is this object's own
+        memory from the start (a program's output may be a view of memory others share)."""
+        if i not in self.sums:
+            self.sums[i] = torch.zeros(like.shape, dtype=like.dtype, device=like.device)
+            self._owned.add(i)
+        elif i not in self._owned:
+            self.sums[i] = self.sums[i].clone()
+            self._owned.add(i)
+        return self.sums[i]
+
     def put(self, mb: int, i: int, value: torch.Tensor) -> None:
         if i not in self.summed:
             self.per_mb[mb][i] = value
@@ -88,12 +104,13 @@ class Results:
             self.sums[i].add_(value)
 
 
-def execute(prog: Any, args: list[Any], a: Action, rank: int, timeline: Timeline) -> Any:
-    """Run one action's program, labelled for torch.profiler and recorded in the timeline."""
+def execute(prog: Any, args: list[Any], a: Action, rank: int, timeline: Timeline, gm: Any = None) -> Any:
+    """Run one action's program (or `gm`, a variant of it), labelled for torch.profiler and
+    recorded in the timeline."""
     set_microbatch(a.mb)
     start = time.perf_counter()
     with record_function(f"fpipe {a}"):
-        outs = prog.gm(*args)
+        outs = (gm or prog.gm)(*args)
     timeline.add(str(a), rank, start, time.perf_counter())
     return outs
 
@@ -105,17 +122,83 @@ def run_program(
     env: dict[str, Any],
     glob: dict[str, torch.Tensor],
     timeline: Timeline,
-    out_index: dict[Place, list[tuple[int, str]]],
+    out_index: dict[Place, list[tuple[int, str, bool]]],
     results: Results,
 ) -> None:
     """Run action `a`'s program on its microbatch's values `env` (else `glob`), store its outputs
-    in `env`, and hand those that are outputs of the step (`out_index`) to `results`."""
+    in `env`, and hand those that are outputs of the step (`out_index`) to `results`.
+
+    With several microbatches, gradients summed over them are added into their running sums by
+    the program itself (`accumulating`) where no torch.func transform is active (their values
+    are then plain tensors), each as soon as it is computed."""
     args = [env[n] if n in env else glob[n] for n in prog.inputs]
-    outs = execute(prog, args, a, rank, timeline)
+    outs_of = out_index.get(prog.place, ())
+    gm, fused = None, {}
+    if len(results.per_mb) > 1 and torch._C._functorch.peek_interpreter_stack() is None:
+        own = {n: i for i, n, only in outs_of if only and i in results.summed}
+        if own:
+            gm, sums_like = accumulating(prog, tuple(own))
+            fused = {own[n]: like for n, like in sums_like}
+            args += [results.running_sum(i, like) for i, like in fused.items()]
+    outs = execute(prog, args, a, rank, timeline, gm)
     env.update(zip(prog.outputs, outs))
     del args, outs
-    for i, name in out_index.get(prog.place, ()):
-        results.put(a.mb, i, env[name])
+    for i, name, _ in outs_of:
+        if i not in fused:
+            results.put(a.mb, i, env[name])
+
+
+def outputs_by_program(
+    staged: Staged, here: Callable[[Place], bool]
+) -> dict[Place, list[tuple[int, str, bool]]]:
+    """Per program that runs `here`: the step outputs it computes, as (output index, name, whether
+    the value is its own: read by no program and no other output, so a program may add it
+    into a running sum instead of returning it)."""
+    index: dict[Place, list[tuple[int, str, bool]]] = {}
+    for i, name in enumerate(staged.out_names):
+        place = staged.producer.get(name)
+        if place is not None and here(place):
+            only = not staged.consumers.get(name) and staged.out_names.count(name) == 1
+            index.setdefault(place, []).append((i, name, only))
+    return index
+
+
+def accumulating(prog: Any, names: tuple[str, ...]) -> tuple[Any, list[tuple[str, Any]]]:
+    """`prog` rewritten to take, for each output in `names` it can, one more input (the output's
+    running sum) into which the output is added in place right after the operation computing
+    it, returning None in its place: the gradient is added while it is still in cache, freed at
+    once, and one microbatch's gradients never all exist at the same time. Returns the program
+    (None if nothing could be rewritten: a compiled program, outputs that are inputs) and the
+    rewritten outputs with their fake values (shape, dtype, device), in input order. Built once
+    per `names`."""
+    cache: dict[tuple[str, ...], Any] = prog.__dict__.setdefault("_accumulating", {})
+    if names in cache:
+        return cache[names]
+    gm, done = None, []
+    if isinstance(prog.gm, fx.GraphModule) and prog.inputs:
+        graph = copy.deepcopy(prog.gm.graph)
+        output = graph.find_nodes(op="output")[0]
+        outs = list(output.args[0])  # type: ignore[arg-type]
+        last = [n for n in graph.nodes if n.op == "placeholder"][-1]  # inputs: in placeholder order
+        for name in names:
+            k = prog.outputs.index(name)
+            src = outs[k]
+            like = src.meta.get("val") if isinstance(src, fx.Node) else None
+            if not (
+                isinstance(src, fx.Node) and src.op == "call_function" and isinstance(like, torch.Tensor)
+            ):
+                continue
+            with graph.inserting_after(last):
+                acc = last = graph.placeholder(f"{name}_sum")
+            with graph.inserting_after(src):
+                graph.call_function(torch.ops.aten.add_.Tensor, (acc, src))
+            outs[k] = None
+            done.append((name, like))
+        if done:
+            output.args = (outs,)
+            gm = fx.GraphModule({}, graph)
+    cache[names] = (gm, done)
+    return gm, done
 
 
 def release(prog: Any, env: dict[str, Any], rem: dict[str, int]) -> None:
@@ -144,11 +227,7 @@ class LocalRunner:
         self.order = execution_order(schedule, self.deps)
         self.timeline = Timeline()
         self.refcount = {name: len(places) for name, places in staged.consumers.items()}
-        self._out_index: dict[Place, list[tuple[int, str]]] = {}
-        for i, name in enumerate(staged.out_names):
-            place = staged.producer.get(name)
-            if place is not None:
-                self._out_index.setdefault(place, []).append((i, name))
+        self._out_index = outputs_by_program(staged, lambda place: True)
 
     def rank_of(self, place: Place) -> int:
         return self.schedule.stage_rank[place[1]]

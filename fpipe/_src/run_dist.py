@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .dist import PeerFailure, PPGroup, SendReaper, exit_hard_after_failure
-from .run import Results, Timeline, action_place, release, run_program
+from .run import Results, Timeline, action_place, outputs_by_program, release, run_program
 from .schedule import Action, Schedule
 from .split import Place, Staged
 
@@ -48,11 +48,7 @@ class DistRunner:
         self.local_refs = self._local_refcounts()
         self.reaper = SendReaper(pg, timeout)
         self.timeline = Timeline()
-        self._out_index: dict[Place, list[tuple[int, str]]] = defaultdict(list)
-        for i, name in enumerate(staged.out_names):
-            place = staged.producer.get(name)
-            if place is not None and self.rank_of(place) == self.rank:
-                self._out_index[place].append((i, name))
+        self._out_index = outputs_by_program(staged, lambda place: self.rank_of(place) == self.rank)
 
     def rank_of(self, place: Place) -> int:
         return self.schedule.stage_rank[place[1]]

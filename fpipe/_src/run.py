@@ -110,7 +110,7 @@ def execute(prog: Any, args: list[Any], a: Action, rank: int, timeline: Timeline
     set_microbatch(a.mb)
     start = time.perf_counter()
     with record_function(f"fpipe {a}"):
-        outs = (gm or prog.gm)(*args)
+        outs = (prog.gm if gm is None else gm)(*args)
     timeline.add(str(a), rank, start, time.perf_counter())
     return outs
 

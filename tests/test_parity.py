@@ -129,11 +129,13 @@ def zoo() -> Zoo:
 KINDS = ["mlp-auto", "mlp-marked", "gpt-marked", "tied-marked", "kwargs-auto"]
 
 
-def _run(zoo: Zoo, kind: str, stages: int, microbatches: int, schedule: str, dtype: torch.dtype):
+def _run(
+    zoo: Zoo, kind: str, stages: int, microbatches: int, schedule: str, dtype: torch.dtype, **options: Any
+):
     case = zoo.case(kind, stages, dtype)
     ref_params = zoo.case(kind, None, dtype).params
     assert_trees_close(case.params, ref_params, dtype)  # the boundaries changed no weight
-    piped = fpipe.pipeline(case.f, stages=stages, microbatches=microbatches, schedule=schedule)
+    piped = fpipe.pipeline(case.f, stages=stages, microbatches=microbatches, schedule=schedule, **options)
     loss, grads = fpipe.value_and_grad(piped)(case.params, *case.args, **case.kwargs)
     ref_loss, ref_grads = zoo.reference(kind, dtype)
     assert_trees_close(loss, ref_loss, dtype)
@@ -170,15 +172,18 @@ def test_value_and_grad_fp32(zoo, kind, stages, microbatches, schedule):
 def test_programs_accumulate_the_gradients(zoo, monkeypatch, kind, schedule):
     """With several microbatches each parameter's gradient is added into its running sum inside
     the program that computes it (`run.accumulating`): every rewritten program runs, no summed
-    gradient passes through the runtime's own sum, and the result equals the reference."""
+    gradient passes through the runtime's own sum, and the result equals the reference. Each
+    Linear weight's gradient is added inside its matrix product (`addmm_`); the tied matrix's
+    gradient (a lookup's plus a product's) is added after its last part."""
     from fpipe._src import run
 
-    rewritten, put = [], []
+    rewritten, put, programs = [], [], {}
     accumulating, results_put = run.accumulating, run.Results.put
 
     def spy_accumulating(prog, names):
         gm, done = accumulating(prog, names)
         rewritten.extend(name for name, _ in done)
+        programs[id(gm)] = gm
         return gm, done
 
     def spy_put(self, mb, i, value):
@@ -193,6 +198,35 @@ def test_programs_accumulate_the_gradients(zoo, monkeypatch, kind, schedule):
     grads = staged.out_names[staged.n_outs :]
     assert sorted(set(rewritten)) == sorted(set(grads)), "every gradient is summed by its program"
     assert len(rewritten) == 4 * len(grads) and not put
+    in_product = [
+        n for gm in programs.values() for n in gm.graph.nodes if n.target is torch.ops.aten.addmm_.default
+    ]
+    module = zoo.case(kind, 2, torch.float64).module
+    assert len(in_product) == sum(isinstance(m, torch.nn.Linear) for m in module.modules())
+
+
+def test_compiled_programs(zoo, monkeypatch):
+    """compile=True: every program that runs is compiled, the variants that add gradients into
+    their running sums included (zb-h1: I and W programs), and the result equals the reference."""
+    from fpipe._src import run
+
+    compiled_variants, compile_ = [], torch.compile
+
+    def spy_compile(gm, **kwargs):
+        compiled_variants.append(gm)
+        return compile_(gm, **kwargs)
+
+    monkeypatch.setattr(run.torch, "compile", spy_compile)
+    piped = _run(zoo, "mlp-marked", 2, 2, "zb-h1", torch.float64, compile=True)
+    programs = compiled(piped).staged.programs
+    assert sorted(programs) == [("F", 0), ("F", 1), ("I", 0), ("I", 1), ("W", 0), ("W", 1)]
+    for prog in programs.values():
+        assert prog.compile == {}
+        assert prog.__dict__.get("_compiled"), f"{prog.place} ran uncompiled"
+    rewritten = [
+        gm for prog in programs.values() for gm, _ in prog.__dict__.get("_accumulating", {}).values()
+    ]
+    assert rewritten and all(gm is not None and gm in compiled_variants for gm in rewritten)
 
 
 @pytest.mark.parametrize("stages", [2, 3, 4])

@@ -219,7 +219,7 @@ class Pipelined:
         if self.compile:
             opts = self.compile if isinstance(self.compile, dict) else {}
             for prog in staged.programs.values():
-                prog.gm = torch.compile(prog.gm, **opts)  # type: ignore[assignment]
+                prog.compile = opts
         pg = self.pg
         runner: Any = (
             LocalRunner(staged, sched) if pg is None else DistRunner(staged, sched, pg, self.timeout)
@@ -787,8 +787,9 @@ def pipeline(
             that crashes or is killed ends the others at once (its connections close; they wait
             up to 2 s for its own report of why, then name it): no timeout is involved.
         compile: compile every stage program with `torch.compile` (True, or a dict of its
-            keyword arguments). Off by default: on CPU it costs about a minute per program on
-            a small machine and gave no speed-up (see docs/BENCHMARKS.md); try it on GPU.
+            keyword arguments) at its first run. Off by default: on the benchmark GPT it took
+            40-50 s at the first call on a 2-core CPU and the programs ran no faster there or
+            on one H200 (see docs/BENCHMARKS.md); try it on your model and device.
         partition: how `stages=N` cuts a function without boundaries: "estimate" (default;
             a static cost model, deterministic, needs no real tensors) or "measure" (each
             operation's forward + backward timed on the device at one microbatch's shapes,

@@ -21,8 +21,10 @@ from .rng import set_microbatch
 from .schedule import Action, Schedule, execution_order
 from .split import Place, Staged
 
+aten = torch.ops.aten
+
 __all__ = [
-    "LocalRunner", "Timeline", "accumulating", "action_place", "execute", "outputs_by_program", "release", "run_program",
+    "LocalRunner", "Timeline", "accumulating", "action_place", "compiled", "execute", "outputs_by_program", "release", "run_program",
 ]  # fmt: skip
 
 
@@ -106,13 +108,24 @@ class Results:
 
 def execute(prog: Any, args: list[Any], a: Action, rank: int, timeline: Timeline, gm: Any = None) -> Any:
     """Run one action's program (or `gm`, a variant of it), labelled for torch.profiler and
-    recorded in the timeline."""
+    recorded in the timeline; compiled first if the program asks for it (once per variant)."""
+    fn = prog.gm if gm is None else gm
+    if prog.compile is not None:
+        fn = compiled(prog, fn)
     set_microbatch(a.mb)
     start = time.perf_counter()
     with record_function(f"fpipe {a}"):
-        outs = (prog.gm if gm is None else gm)(*args)
+        outs = fn(*args)
     timeline.add(str(a), rank, start, time.perf_counter())
     return outs
+
+
+def compiled(prog: Any, gm: fx.GraphModule) -> Any:
+    """`torch.compile(gm, **prog.compile)`, built once per variant `gm` of `prog`."""
+    cache: dict[int, Any] = prog.__dict__.setdefault("_compiled", {})
+    if id(gm) not in cache:
+        cache[id(gm)] = torch.compile(gm, **prog.compile)
+    return cache[id(gm)]
 
 
 def run_program(
@@ -168,9 +181,9 @@ def accumulating(prog: Any, names: tuple[str, ...]) -> tuple[Any, list[tuple[str
     running sum) into which the output is added in place right after the operation computing
     it, returning None in its place: the gradient is added while it is still in cache, freed at
     once, and one microbatch's gradients never all exist at the same time. Returns the program
-    (None if nothing could be rewritten: a compiled program, outputs that are inputs) and the
+    (None if nothing could be rewritten: outputs that are inputs, a non-fx program) and the
     rewritten outputs with their fake values (shape, dtype, device), in input order. Built once
-    per `names`."""
+    per `names`; a program compiled by the runtime has its variant compiled too."""
     cache: dict[tuple[str, ...], Any] = prog.__dict__.setdefault("_accumulating", {})
     if names in cache:
         return cache[names]
@@ -190,8 +203,9 @@ def accumulating(prog: Any, names: tuple[str, ...]) -> tuple[Any, list[tuple[str
                 continue
             with graph.inserting_after(last):
                 acc = last = graph.placeholder(f"{name}_sum")
-            with graph.inserting_after(src):
-                graph.call_function(torch.ops.aten.add_.Tensor, (acc, src))
+            if not _accumulate_in_product(graph, src, acc, output):
+                with graph.inserting_after(src):
+                    graph.call_function(torch.ops.aten.add_.Tensor, (acc, src))
             outs[k] = None
             done.append((name, like))
         if done:
@@ -199,6 +213,34 @@ def accumulating(prog: Any, names: tuple[str, ...]) -> tuple[Any, list[tuple[str
             gm = fx.GraphModule({}, graph)
     cache[names] = (gm, done)
     return gm, done
+
+
+def _accumulate_in_product(graph: fx.Graph, src: fx.Node, acc: fx.Node, output: fx.Node) -> bool:
+    """If `src` is a matrix product seen through transposes (a weight gradient: `mm`, `t(mm)`,
+    `t(t(mm))`) that nothing else reads, add it into `acc` inside the product instead
+    (`acc.addmm_(a, b)`, or `acc.addmm_(b.t(), a.t())` for an odd number of transposes): the
+    gradient is never materialised on its own and the separate pass that adds it disappears."""
+    chain, node = [], src
+    while node.op == "call_function" and node.target is aten.t.default:
+        chain.append(node)
+        node = node.args[0]  # type: ignore[assignment]
+    if not (isinstance(node, fx.Node) and node.op == "call_function" and node.target is aten.mm.default):
+        return False
+    path = [node, *reversed(chain)]  # the product, then each transpose of it
+    if set(src.users) != {output} or any(set(n.users) != {up} for n, up in zip(path, path[1:])):
+        return False
+    a, b = node.args
+    with graph.inserting_after(node):
+        if len(chain) % 2:
+            b_t = graph.call_function(aten.t.default, (b,))
+            a_t = graph.call_function(aten.t.default, (a,))
+            graph.call_function(aten.addmm_.default, (acc, b_t, a_t))
+        else:
+            graph.call_function(aten.addmm_.default, (acc, a, b))
+    output.args = ([None if o is src else o for o in output.args[0]],)  # type: ignore[union-attr]
+    for n in reversed(path):
+        graph.erase_node(n)
+    return True
 
 
 def release(prog: Any, env: dict[str, Any], rem: dict[str, int]) -> None:

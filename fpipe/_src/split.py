@@ -54,12 +54,15 @@ def _seq(p: Place, n_stages: int) -> int:
 
 @dataclasses.dataclass
 class Program:
-    """One stage's piece of the joint graph: `gm(*inputs) -> outputs` (both lists of names)."""
+    """One stage's piece of the joint graph: `gm(*inputs) -> outputs` (both lists of names).
+    `compile`: None, or `torch.compile`'s keyword arguments: the runtime then runs `gm` (or a
+    variant of it) compiled, each at its first run."""
 
     place: Place
     gm: fx.GraphModule
     inputs: list[str]
     outputs: list[str]
+    compile: dict[str, Any] | None = None
 
     @property
     def n_nodes(self) -> int:

@@ -216,7 +216,10 @@ def run_case(case: dict[str, Any], p: int, rank: int, two_steps: bool) -> dict[s
     out["n_stages"] = vg_compiled(piped).staged.n_stages
     staged = vg_compiled(piped).staged  # where the cuts went: the same on every rank
     out["cut"] = sorted((f"{k}{s}", sorted(prog.inputs)) for (k, s), prog in staged.programs.items())
-    out["schedule_stage_rank"] = list(vg_compiled(piped).runner.schedule.stage_rank)
+    runner = vg_compiled(piped).runner
+    out["schedule_stage_rank"] = list(runner.schedule.stage_rank)
+    out["b_stages"] = sorted({a.stage for a in runner.actions if a.kind == "B"})
+    out["b_split"] = sorted(runner.b_parts)  # B run as I, send, W
     if case["forward"]:  # forward only, at the parameters after the optimizer step(s)
         fwd = piped(params, *inputs)
         out["fwd_loss_err"] = abs(fwd.item() - ref_loss(ref_params, *inputs).item())

@@ -103,6 +103,25 @@ def test_loss_and_grads_equal_the_reference(results, launch, case_id):
         _assert_step_parity([rec["step2"] for rec in recs])
 
 
+@pytest.mark.parametrize(("launch", "case_id"), _params(("one", "multi")))
+def test_full_backwards_send_input_gradients_before_weight_gradients(results, launch, case_id):
+    """A full backward B whose input gradients go to another rank runs as its input-gradient
+    part, the send, then its weight-gradient part (the loss and gradients test above covers the
+    values). Schedules with B actions all place stage s - 1 on another rank, so that is every
+    stage but the first that has weight-gradient work: with one stage per rank, every stage but
+    the first holds parameters; with several, an automatic cut may leave a stage without any."""
+    recs = _records(results, launch, case_id)
+    for rank, rec in enumerate(recs):
+        on = rec["schedule_stage_rank"]
+        expected = [s for s in rec["b_stages"] if s > 0 and on[s - 1] != rank]
+        if rec["case"]["kind"] == "one":
+            assert rec["b_split"] == expected, f"rank {rank}"
+        else:
+            assert set(rec["b_split"]) <= set(expected), f"rank {rank}"
+    if recs[0]["case"]["schedule"] in ("gpipe", "1f1b"):
+        assert any(rec["b_split"] for rec in recs)
+
+
 @pytest.mark.parametrize(("launch", "case_id"), _params(("measured",)))
 def test_measured_partition_cuts_alike_on_every_rank(results, launch, case_id):
     """Each rank times the operations itself; the times are averaged over the ranks first, so

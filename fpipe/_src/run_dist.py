@@ -7,6 +7,11 @@ early ones it does not need yet into its store -- so p2p messages always match (
 them by order, not by tag), whatever the schedule. Sends are non-blocking (`batch_isend_irecv`);
 receives for the next action are posted before the current one runs, so transfers overlap compute.
 Shapes and dtypes come from the traced program, identical on every rank: no per-step handshake.
+
+A full backward B whose outputs go to another rank runs as its two halves (`split.backward_parts`):
+the input-gradient part, then the send of its outputs, then the weight-gradient part. The schedule
+and the work are the same; the previous stage gets its gradient one weight-gradient pass sooner
+(1F1B's critical path runs through those sends).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import torch.distributed as dist
 from .dist import PeerFailure, PPGroup, SendReaper, exit_hard_after_failure
 from .run import Results, Timeline, action_place, outputs_by_program, release, run_program
 from .schedule import Action, Schedule
-from .split import Place, Staged
+from .split import Place, Program, Staged, backward_parts
 
 __all__ = ["DistRunner"]
 
@@ -49,6 +54,7 @@ class DistRunner:
         self.reaper = SendReaper(pg, timeout)
         self.timeline = Timeline()
         self._out_index = outputs_by_program(staged, lambda place: self.rank_of(place) == self.rank)
+        self.b_parts = self._plan_backward_parts()
 
     def rank_of(self, place: Place) -> int:
         return self.schedule.stage_rank[place[1]]
@@ -95,6 +101,30 @@ class DistRunner:
                 idx = where[(peer, Action(src[0], src[1], a.mb))]
                 need[peer] = max(need.get(peer, -1), idx)
             self.need[a] = need
+
+    def _plan_backward_parts(self) -> dict[int, tuple[Program, Program]]:
+        """Stages whose B actions here send to another rank and have weight-gradient work left
+        after the input gradients: run as I, send, W (module docstring)."""
+        parts: dict[int, tuple[Program, Program]] = {}
+        for a in self.actions:
+            place = action_place(a)
+            if (
+                a.kind != "B"
+                or a.stage in parts
+                or not self.sends.get(a)
+                or place not in self.staged.programs
+            ):
+                continue
+            pair = backward_parts(self.staged, place)
+            if pair is None:
+                continue
+            for part in pair:
+                part.compile = self.staged.programs[place].compile
+                self._out_index[part.place] = [
+                    e for e in self._out_index.get(place, []) if e[1] in part.outputs
+                ]
+            parts[a.stage] = pair
+        return parts
 
     def _local_refcounts(self) -> dict[str, int]:
         refs: dict[str, int] = {}
@@ -144,8 +174,18 @@ class DistRunner:
         if prog is None:
             return
         env = st.envs[a.mb]
-        run_program(prog, a, self.rank, env, glob, self.timeline, self._out_index, results)
-        st.send(a, env)
+        parts = self.b_parts.get(a.stage) if a.kind == "B" else None
+        if parts is None:
+            run_program(prog, a, self.rank, env, glob, self.timeline, self._out_index, results)
+            st.send(a, env)
+        else:
+            i_part, w_part = parts
+            run_program(i_part, a, self.rank, env, glob, self.timeline, self._out_index, results)
+            st.send(a, env)
+            run_program(w_part, a, self.rank, env, glob, self.timeline, self._out_index, results)
+            for name in i_part.outputs:  # what I handed to W
+                if name not in prog.outputs:
+                    env.pop(name, None)
         release(prog, env, st.left[a.mb])
 
 

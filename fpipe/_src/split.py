@@ -41,7 +41,7 @@ from .marker import BOUNDARY, BOUNDARY_BWD
 from .rng import is_random, seeded
 from .trace import Joint
 
-__all__ = ["Place", "Program", "Staged", "split"]
+__all__ = ["Place", "Program", "Staged", "backward_parts", "split"]
 
 Place = tuple[str, int]  # ("F" | "B", stage)
 _ORDER = {"F": 0, "B": 1, "I": 2, "W": 3}
@@ -453,6 +453,16 @@ def split_backward(staged: Staged, stages: Iterable[int]) -> Staged:
             if name in w_prog.inputs:
                 consumers.setdefault(name, []).append(w_prog.place)
     return dataclasses.replace(staged, programs=programs, producer=producer, consumers=consumers)
+
+
+def backward_parts(staged: Staged, place: Place) -> tuple[Program, Program] | None:
+    """The B program at `place` as its I and W parts (see the NOTE above), or None when the W
+    part would be empty. The runtime can run them back to back and send I's outputs in between."""
+    grads = set(staged.out_names[staged.n_outs :])
+    i_prog, w_prog = _split_program(staged.programs[place], staged, grads)
+    if not w_prog.outputs or not any(n.op == "call_function" for n in w_prog.gm.graph.nodes):
+        return None
+    return i_prog, w_prog
 
 
 def _split_program(prog: Program, staged: Staged, grads: set[str]) -> tuple[Program, Program]:

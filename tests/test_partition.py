@@ -72,6 +72,44 @@ def test_measured_partition_of_a_gpt_matches_the_reference(stages):
     assert compiled(piped).staged.n_stages == stages
 
 
+def test_forward_and_value_and_grad_share_one_measurement(monkeypatch):
+    """A plain call (or `materialize`) and `value_and_grad` compile separately; their cuts must
+    agree -- `materialize` hands each rank the parameters of its stages -- so the operations are
+    measured once and both cut from those times (timings vary between measurements)."""
+    from models import GPT
+
+    from fpipe._src import api
+
+    calls = []
+    measure = api.measure_costs
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return measure(*args, **kwargs)
+
+    monkeypatch.setattr(api, "measure_costs", counting)
+    torch.manual_seed(0)
+    fn, params = fpipe.functionalize(GPT().to(DT))
+    x, y = torch.randint(0, 11, (8, 5)), torch.randint(0, 11, (8, 5))
+
+    def loss(p, x, y):
+        return torch.nn.functional.cross_entropy(fn(p, x).flatten(0, 1), y.flatten())
+
+    piped = fpipe.pipeline(loss, stages=3, microbatches=2, partition="measure")
+    piped(params, x, y)
+    fpipe.value_and_grad(piped)(params, x, y)
+    assert len(piped._cache) == 2 and len(calls) == 1
+    reads = [  # per stage, the parameters (by position) its forward program reads
+        {
+            s: [i for i, name in enumerate(c.staged.param_inputs) if name in prog.inputs]
+            for (kind, s), prog in c.staged.programs.items()
+            if kind == "F"
+        }
+        for c in piped._cache.values()
+    ]
+    assert reads[0] == reads[1] and len(reads[0]) == 3 and all(reads[0].values())
+
+
 def test_measuring_leaves_the_callers_buffers_alone():
     """Operations that update state in place (BatchNorm's running statistics) are not run by
     the measurement: after one step the buffers equal eager's after one forward."""

@@ -110,6 +110,7 @@ class Pipelined:
         self.in_axes = in_axes
         self.out_axes = out_axes
         self._cache: dict[tuple[Any, ...], _Compiled] = {}
+        self._measured: dict[tuple[Any, ...], list[float]] = {}  # see _measured_costs
         self._steps = 0
         functools.update_wrapper(self, f, updated=())
 
@@ -261,8 +262,23 @@ class Pipelined:
             return None
         measure = None
         if self.partition == "measure":
-            measure = functools.partial(measure_costs, fwd, mb0, device, self.pg, self.timeout)
+            measure = functools.partial(self._measured_costs, fwd, mb0, device)
         return auto_partition(self._call_str(), fwd, stages, measure)
+
+    def _measured_costs(
+        self, fwd: Forward, mb0: list[torch.Tensor], device: torch.device
+    ) -> dict[Any, float]:
+        """`measure_costs`, once per forward program: the forward-only trace (a plain call,
+        `materialize`) and the value_and_grad one trace the same operations, and must cut them
+        alike -- `materialize` gave this rank the parameters of *its* cut, and timings vary from
+        one measurement to the next. Every rank sees the same programs, so every rank skips the
+        measurement (and its all-reduce) alike."""
+        nodes = list(fwd.gm.graph.nodes)
+        key = tuple((n.op, str(n.target), _shapes(n.meta.get("val"))) for n in nodes)
+        if key not in self._measured:
+            seconds = measure_costs(fwd, mb0, device, self.pg, self.timeout)
+            self._measured[key] = [seconds.get(n, 0.0) for n in nodes]
+        return dict(zip(nodes, self._measured[key]))
 
     def _schedule(self, n_stages: int) -> Schedule:
         s = self.schedule
@@ -606,6 +622,14 @@ class Pipelined:
         work = dist.broadcast(g, pg.global_rank(src), group=pg.group, async_op=True)
         pg.wait_all([work], self.timeout, lambda: f"receiving a gradient from rank {src}")
         return g if (not is_param or pg.rank in users) else None
+
+
+def _shapes(val: Any) -> Any:
+    if isinstance(val, torch.Tensor):
+        return (tuple(val.shape), str(val.dtype))
+    if isinstance(val, (tuple, list)):
+        return tuple(_shapes(v) for v in val)
+    return None
 
 
 def _wanting_grad(

@@ -205,7 +205,7 @@ def accumulating(prog: Any, names: tuple[str, ...]) -> tuple[Any, list[tuple[str
                 acc = last = graph.placeholder(f"{name}_sum")
             if not _accumulate_in_product(graph, src, acc, output):
                 with graph.inserting_after(src):
-                    graph.call_function(torch.ops.aten.add_.Tensor, (acc, src))
+                    graph.call_function(aten.add_.Tensor, (acc, src))
             outs[k] = None
             done.append((name, like))
         if done:

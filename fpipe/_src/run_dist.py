@@ -108,18 +108,12 @@ class DistRunner:
         parts: dict[int, tuple[Program, Program]] = {}
         for a in self.actions:
             place = action_place(a)
-            if (
-                a.kind != "B"
-                or a.stage in parts
-                or not self.sends.get(a)
-                or place not in self.staged.programs
-            ):
+            if a.kind != "B" or a.stage in parts or not self.sends.get(a):  # (no program: no sends)
                 continue
             pair = backward_parts(self.staged, place)
             if pair is None:
                 continue
-            for part in pair:
-                part.compile = self.staged.programs[place].compile
+            for part in pair:  # the step outputs each part computes
                 self._out_index[part.place] = [
                     e for e in self._out_index.get(place, []) if e[1] in part.outputs
                 ]

@@ -432,7 +432,6 @@ def _program(
 
 def split_backward(staged: Staged, stages: Iterable[int]) -> Staged:
     """Replace B of each stage in `stages` by an I (input-gradient) and a W (weight) program."""
-    grads = set(staged.out_names[staged.n_outs :])
     programs = dict(staged.programs)
     producer = dict(staged.producer)
     consumers = {k: list(v) for k, v in staged.consumers.items()}
@@ -440,7 +439,7 @@ def split_backward(staged: Staged, stages: Iterable[int]) -> Staged:
         prog = programs.pop(("B", s), None)
         if prog is None:
             continue
-        i_prog, w_prog = _split_program(prog, staged, grads)
+        i_prog, w_prog = _split_program(prog, staged)
         for sub in (i_prog, w_prog):
             programs[sub.place] = sub
             for name in sub.outputs:
@@ -458,15 +457,16 @@ def split_backward(staged: Staged, stages: Iterable[int]) -> Staged:
 def backward_parts(staged: Staged, place: Place) -> tuple[Program, Program] | None:
     """The B program at `place` as its I and W parts (see the NOTE above), or None when the W
     part would be empty. The runtime can run them back to back and send I's outputs in between."""
-    grads = set(staged.out_names[staged.n_outs :])
-    i_prog, w_prog = _split_program(staged.programs[place], staged, grads)
+    i_prog, w_prog = _split_program(staged.programs[place], staged)
     if not w_prog.outputs or not any(n.op == "call_function" for n in w_prog.gm.graph.nodes):
         return None
     return i_prog, w_prog
 
 
-def _split_program(prog: Program, staged: Staged, grads: set[str]) -> tuple[Program, Program]:
+def _split_program(prog: Program, staged: Staged) -> tuple[Program, Program]:
+    """I and W of `prog` (compiled alike)."""
     s = prog.place[1]
+    grads = set(staged.out_names[staged.n_outs :])
     graph = prog.gm.graph
     out_nodes = list(graph.find_nodes(op="output")[0].args[0])  # type: ignore[arg-type]
     by_name = dict(zip(prog.outputs, out_nodes))
@@ -483,6 +483,7 @@ def _split_program(prog: Program, staged: Staged, grads: set[str]) -> tuple[Prog
         ("I", s), [n for n in graph.nodes if n in need_i], i_outs + [n.name for n in handed], by_name
     )
     w_prog = _subprogram(("W", s), w_nodes, w_outs, by_name)
+    i_prog.compile = w_prog.compile = prog.compile
     return i_prog, w_prog
 
 

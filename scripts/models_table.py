@@ -1,7 +1,17 @@
 """Which transformers models split and train with exact gradients: fpipe vs torch.distributed.pipelining.
 
-    python scripts/models_table.py              # the model table (markdown), as in docs/MODELS.md
+    python scripts/models_table.py --write      # regenerate the model table in docs/MODELS.md
+    python scripts/models_table.py              # the same table on stdout, with failures' last frames
+    python scripts/models_table.py --check      # exit 1 if docs/MODELS.md's table is out of date
     python scripts/models_table.py --generation # greedy decoding through the pipeline: timings
+
+The script measures the fpipe of its own checkout (it puts that checkout first on `sys.path`).
+`--write` replaces what lies between the markers `<!-- models_table:begin ... -->` and
+`<!-- models_table:end -->` in docs/MODELS.md, and records in the begin marker a hash of the
+inputs the table depends on in this repository: every `fpipe/**/*.py` and this script.
+`--check` (and tests/test_docs_tables.py) compares that hash with the current files: a change to
+any of them makes the committed table stale until it is regenerated. A run takes about a minute
+of CPU time, too slow to repeat in every test run; the hash check is instant.
 
 Every model is a tiny random-init transformers model (2 layers, hidden 32, fp64, dropout off), used
 as it is. For each one, in one process:
@@ -16,7 +26,8 @@ as it is. For each one, in one process:
   backward against the unsplit model's gradients (a tied weight's two copies summed). This checks
   the split, not torch's distributed runtime (which needs one process per stage).
 
-A failure is recorded with the exception's class and first line.
+A failure is recorded with the exception's class and first sentence, with this checkout's
+absolute path removed from it (the table must not depend on where the repository lies).
 """
 
 from __future__ import annotations
@@ -24,6 +35,9 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import hashlib
+import os
+import re
 import sys
 import time
 import traceback
@@ -35,11 +49,16 @@ import torch
 import transformers
 from torch import nn
 
-import fpipe
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # measure this checkout's fpipe, not another one installed
+
+import fpipe  # noqa: E402
 
 DT = torch.float64
 BATCH, SEQ, MICROBATCHES, VOCAB, STAGES = 8, 8, 4, 64, 3
-transformers.logging.set_verbosity_error()
+DOC = ROOT / "docs" / "MODELS.md"
+BEGIN, END = "<!-- models_table:begin", "<!-- models_table:end -->"
+WRITE = "python scripts/models_table.py --write"
 
 
 # -- the models (the configs of tests/test_hf_models.py) --------------------------------------------
@@ -185,8 +204,16 @@ ROWS = [
 
 # -- checks ----------------------------------------------------------------------------------------
 def _fail(err: BaseException) -> str:
-    first = (str(err).strip().splitlines() or [""])[0]
-    return f"{type(err).__name__}: {first[:220]}"
+    return f"{type(err).__name__}: {_first_sentence(str(err))}"
+
+
+def _first_sentence(message: str, limit: int = 220) -> str:
+    """The first sentence of `message`'s first line, paths inside this checkout made relative."""
+    first = (message.strip().splitlines() or [""])[0].replace(str(ROOT) + os.sep, "")
+    first = re.sub(r"\S*[/\\]site-packages[/\\]", "", first)  # an installed package's path: from its name
+    end = first.find(". ")
+    first = first[: end + 1] if end >= 0 else first
+    return first if len(first) <= limit else first[: limit - 1] + "…"
 
 
 def _chunks(batch: dict[str, Any]) -> list[dict[str, Any]]:
@@ -219,6 +246,7 @@ def check_fpipe(row: Row, base: nn.Module, batch: dict[str, Any]) -> dict[str, A
         return {"splits": _fail(err), "parity": "—", "error": traceback.format_exc()}
     (c,) = piped._cache.values()
     ops = [c.staged.programs[("F", s)].n_nodes for s in range(c.staged.n_stages)]
+    costs = ", ".join(f"{x / 1e3:.0f}k" for x in c.stage_costs or [])
     ref = copy.deepcopy(base)
     buffers = {k: v.clone() for k, v in ref.named_buffers()}
 
@@ -229,7 +257,7 @@ def check_fpipe(row: Row, base: nn.Module, batch: dict[str, Any]) -> dict[str, A
     rgrads, rvalue = torch.func.grad_and_value(ref_loss)(params, buffers)
     err = _rel_err(grads, rgrads)
     return {
-        "splits": f"yes: {c.staged.n_stages} stages, {ops} forward ops",
+        "splits": f"yes: {c.staged.n_stages} stages, {ops} forward ops, estimated costs [{costs}]",
         "parity": _parity(err),
         "err": err,
     }
@@ -297,7 +325,8 @@ def _canonical_names(model: nn.Module) -> dict[str, str]:
     return out
 
 
-def table() -> str:
+def table() -> tuple[str, str]:
+    """The markdown table, and the failures' last frames (for stdout, not for the doc)."""
     lines = [
         "| model | fpipe: splits | fpipe: trains with parity | torch pipelining: splits | torch pipelining: parity |",
         "|---|---|---|---|---|",
@@ -315,7 +344,7 @@ def table() -> str:
         for lib, res in (("fpipe", f), ("torch", t)):
             if "error" in res:
                 details.append(f"--- {row.label}, {lib}:\n{_key_lines(res['error'])}")
-    return "\n".join(lines) + "\n\nFailures (last frames):\n\n" + "\n".join(details)
+    return "\n".join(lines), "\n".join(details)
 
 
 def _key_lines(tb: str, n: int = 6) -> str:
@@ -375,9 +404,56 @@ def generation(prompt_len: int, new: int, batch: int, stages: int, repeat: int =
     return "\n".join([head, *(f"| {label} | {w:.2f} | {c:.2f} |" for label, w, c in rows)])
 
 
+# -- the table in docs/MODELS.md ------------------------------------------------------------------
+def inputs_hash(root: Path = ROOT) -> str:
+    """A hash of what the table depends on in the repository at `root`: fpipe/**/*.py and this
+    script (paths relative to `root`, line endings normalised; caches and other files ignored)."""
+    files = sorted([*(root / "fpipe").rglob("*.py"), root / "scripts" / "models_table.py"])
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.relative_to(root).as_posix().encode() + b"\0")
+        h.update(f.read_bytes().replace(b"\r\n", b"\n") + b"\0")
+    return h.hexdigest()[:16]
+
+
+_SECTION = re.compile(
+    re.escape(BEGIN) + r" inputs=(?P<hash>\w*)[^\n]*-->\n(?P<body>.*?)" + re.escape(END), re.S
+)
+
+
+def section(doc: str) -> re.Match[str]:
+    """The one generated section of `doc` (its stored hash and its body)."""
+    found = list(_SECTION.finditer(doc))
+    if len(found) != 1:
+        raise ValueError(f"expected one `{BEGIN} inputs=... -->` ... `{END}` section, found {len(found)}")
+    return found[0]
+
+
+def with_table(doc: str, body: str, digest: str) -> str:
+    """`doc` with its generated section replaced by `body`, stamped with `digest`."""
+    m = section(doc)
+    begin = f"{BEGIN} inputs={digest} (generated by `{WRITE}`: do not edit by hand) -->"
+    return doc[: m.start()] + f"{begin}\n{body.rstrip()}\n{END}" + doc[m.end() :]
+
+
+def stale(doc_path: Path = DOC, root: Path = ROOT) -> str | None:
+    """Why the committed table is out of date, or None if it was generated from the current inputs."""
+    stored, now = section(doc_path.read_text())["hash"], inputs_hash(root)
+    if stored == now:
+        return None
+    return (
+        f"{doc_path.relative_to(root).as_posix()}: the model table was generated from inputs with hash "
+        f"{stored or '(none)'}, but fpipe/**/*.py and scripts/models_table.py now hash to {now}. "
+        f"Regenerate it with `{WRITE}` (about a minute of CPU) and commit the result."
+    )
+
+
+def doc_body(rows: str) -> str:
+    return f"Generated with torch {torch.__version__} and transformers {transformers.__version__}:\n\n{rows}"
+
+
 def _commit() -> str:
     """The git commit of the fpipe being measured (it may be imported from another checkout)."""
-    import os
     import subprocess
 
     where = os.path.dirname(os.path.abspath(fpipe.__file__))
@@ -395,16 +471,29 @@ def _commit() -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--generation", action="store_true", help="time greedy decoding instead")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--write", action="store_true", help=f"write the table into {DOC.relative_to(ROOT)}")
+    what.add_argument("--check", action="store_true", help="exit 1 if the table there is out of date")
+    what.add_argument("--generation", action="store_true", help="time greedy decoding instead")
     p.add_argument("--prompt", type=int, default=16)
     p.add_argument("--new", type=int, default=16)
     p.add_argument("--batch", type=int, default=4)
     args = p.parse_args()
+    if args.check:
+        why = stale()
+        print(why or f"{DOC.relative_to(ROOT)}: the model table is up to date")
+        sys.exit(1 if why else 0)
+    transformers.logging.set_verbosity_error()
     print(f"fpipe {_commit()}, torch {torch.__version__}, transformers {transformers.__version__}\n")
     if args.generation:
         print(generation(args.prompt, args.new, args.batch, stages=2))
-    else:
-        print(table())
+        return
+    digest = inputs_hash()  # before the run: a source edited meanwhile makes the table stale, not wrong
+    rows, failures = table()
+    print(rows + "\n\nFailures (last frames):\n\n" + failures)
+    if args.write:
+        DOC.write_text(with_table(DOC.read_text(), doc_body(rows), digest))
+        print(f"\nwrote the table into {DOC.relative_to(ROOT)} (inputs {digest})")
 
 
 if __name__ == "__main__":

@@ -22,10 +22,12 @@ import sys
 import sysconfig
 import time
 from pathlib import Path
+from typing import TextIO
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from tqdm import tqdm
 
 import fpipe
 
@@ -79,15 +81,35 @@ def get_batch(data: torch.Tensor, args: argparse.Namespace, gen: torch.Generator
     return chunk[:, :-1], chunk[:, 1:]  # inputs and next-byte targets
 
 
-# -- a progress bar without dependencies -----------------------------------------------------------
-def progress(step: int, steps: int, loss: float, tok_s: float) -> None:
-    done = 30 * step // steps
-    bar = f"[{'=' * done}{' ' * (30 - done)}]"
-    line = f"step {step:>{len(str(steps))}}/{steps} {bar} loss {loss:.3f}, {tok_s:,.0f} tok/s"
+# -- progress --------------------------------------------------------------------------------------
+class _Lines:
+    """A file for tqdm that gives each refresh a line of its own. tqdm redraws its bar in place with
+    carriage returns: right on a terminal, but a log file would get every refresh in one line."""
+
+    def __init__(self, file: TextIO) -> None:
+        self.file, self.last = file, ""
+
+    def write(self, text: str) -> None:
+        text = text.strip("\r\n").rstrip()  # tqdm's redraw pads with spaces; its close writes "\n"
+        done = text.split(" [")[0]  # "100%|##########| 30/30": close repeats the last step's line
+        if text and done != self.last:
+            self.file.write(text + "\n")
+            self.last = done
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def progress_bar(steps: int, show: bool) -> tqdm:
+    """tqdm on stderr: a bar redrawn in place on a terminal; in a log, a plain line every 10% of the
+    steps (and the first and last)."""
     if sys.stderr.isatty():
-        print("\r" + line, end="\n" if step == steps else "", file=sys.stderr, flush=True)
-    elif step == 1 or step == steps or step % max(1, steps // 10) == 0:
-        print(line, file=sys.stderr, flush=True)
+        return tqdm(total=steps, unit="step", disable=not show, dynamic_ncols=True)
+    # maxinterval=inf: after a pause longer than maxinterval (the first step traces), tqdm's monitor
+    # thread would set miniters to 1 and print every step from then on.
+    every, log = max(1, steps // 10), _Lines(sys.stderr)
+    return tqdm(total=steps, unit="step", disable=not show, file=log, ascii=True, mininterval=0,
+                miniters=every, maxinterval=float("inf"))  # fmt: skip
 
 
 def parse_args() -> argparse.Namespace:
@@ -146,6 +168,7 @@ def main() -> None:
     step = fpipe.value_and_grad(piped)
 
     losses, tokens_per_step, t0 = [], args.batch * args.seq, time.perf_counter()
+    bar = progress_bar(args.steps, show=rank == 0)  # the loss is returned on every rank: rank 0 shows it
     for i in range(1, args.steps + 1):
         loss, grads = step(params, x, y)
         fpipe.clip_grad_norm_(grads, 1.0, pipeline=piped)
@@ -155,8 +178,10 @@ def main() -> None:
         losses.append(loss.item())
         if i == 1:  # the first step traces and splits the program: time the others apart
             first, t0 = time.perf_counter() - t0, time.perf_counter()
-        if rank == 0:
-            progress(i, args.steps, losses[-1], (i - 1) * tokens_per_step / (time.perf_counter() - t0))
+        tok_s = (i - 1) * tokens_per_step / (time.perf_counter() - t0)
+        bar.set_postfix_str(f"loss {losses[-1]:.3f}, {tok_s:,.0f} tok/s", refresh=False)
+        bar.update()
+    bar.close()
 
     if rank == 0:
         tok_s = (args.steps - 1) * tokens_per_step / (time.perf_counter() - t0)

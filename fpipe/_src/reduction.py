@@ -1,0 +1,316 @@
+"""How a scalar output reduces the batch: the reduction over microbatches that reproduces it.
+
+# NOTE [an honest reduction]
+A pipeline computes a scalar output once per microbatch and combines the M values. The combination
+that reproduces the unsplit function depends on how the function reduces its batch: a mean over
+the batch (`F.cross_entropy`, `x.mean()`) is the mean of the microbatch means; a sum
+(`x.sum()`, `reduction="sum"`) is their sum. `batch_reduction` reads that off the traced forward
+graph by following where the batch lives in each value (the split axis of each data input, through
+views, transposes, pointwise ops and matrix products) to the operation that reduces it:
+
+* "mean" / "sum": the batch is reduced by that kind of reduction, and every later operation is
+  linear in the result (adding a term that does not depend on the batch keeps a mean a mean);
+  a sum divided by the number of elements it reduced (`x.sum() / x.shape[0]`) is a mean.
+* "mixed": a sum plus a term that does not depend on the batch, or a sum plus a mean: no
+  combination of the microbatch values reproduces it.
+* None: anything the analysis does not follow (a loss that is not linear in the reduced value,
+  an operation it has no rule for): fpipe keeps the documented default, the mean.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from .marker import BOUNDARY, BOUNDARY_BWD
+
+__all__ = ["batch_reduction"]
+
+aten = torch.ops.aten
+
+
+@dataclasses.dataclass(frozen=True)
+class _Batch:
+    """The batch lives in dim `dim`, as the factor of size `size` whose stride within it is `inner`."""
+
+    dim: int
+    inner: int
+    size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Reduced:
+    """The batch was reduced by `kind`; `counts`: divisors that turn this sum into a mean."""
+
+    kind: str
+    counts: frozenset[int] = frozenset()
+    divided: bool = False  # a mean only because a sum was divided by a number equal to its count
+
+
+_UNKNOWN = "unknown"
+_MIXED = "mixed"
+_LOSS_REDUCTION_ARG = {  # loss op -> position of its `reduction` argument (0 none, 1 mean, 2 sum)
+    aten.nll_loss_forward.default: 3,
+    aten.nll_loss2d_forward.default: 3,
+    aten.mse_loss.default: 2,
+    aten.l1_loss.default: 2,
+    aten.smooth_l1_loss.default: 2,
+    aten.huber_loss.default: 2,
+    aten.binary_cross_entropy.default: 3,
+    aten.binary_cross_entropy_with_logits.default: 4,
+    aten.soft_margin_loss.default: 2,
+}
+_SAME = {  # ops whose first output keeps the batch where its first input has it
+    aten.clone.default, aten.detach.default, aten.alias.default, aten._to_copy.default,
+    aten.native_dropout.default, aten.lift_fresh_copy.default, aten.contiguous.default,
+}  # fmt: skip
+_SUMS = {
+    aten.sum.default: "sum",
+    aten.sum.dim_IntList: "sum",
+    aten.mean.default: "mean",
+    aten.mean.dim: "mean",
+}
+_LINEAR = {aten.add.Tensor, aten.sub.Tensor, aten.add.Scalar, aten.sub.Scalar, aten.neg.default}
+_SCALE = {aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar}
+
+
+def _shape(node: Any) -> tuple[int, ...] | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def _prod(xs: Sequence[int]) -> int:
+    return math.prod(xs)
+
+
+def _reshaped(b: _Batch, old: Sequence[int], new: Sequence[int]) -> Any:
+    """The batch factor after a row-major reshape: in the one new dim that holds it whole."""
+    after = b.inner * _prod(old[b.dim + 1 :])  # the factor's stride in the flat index
+    for j in range(len(new)):
+        below = _prod(new[j + 1 :])
+        if after % below == 0 and after * b.size <= below * new[j]:
+            return _Batch(j, after // below, b.size)
+    return _UNKNOWN
+
+
+def _combine(states: list[Any], op: Any) -> Any:
+    """Pointwise combination of the inputs' states (None: does not depend on the batch)."""
+    if _UNKNOWN in states or _MIXED in states:
+        return _MIXED if _MIXED in states else _UNKNOWN
+    live = [s for s in states if s is not None]
+    if not live:
+        return None
+    if all(isinstance(s, _Batch) for s in live):
+        return live[0] if len(set(live)) == 1 else _UNKNOWN
+    if not all(isinstance(s, _Reduced) for s in live) or op not in _LINEAR:
+        return _UNKNOWN
+    kinds = {s.kind for s in live}
+    if len(kinds) > 1 or (kinds == {"sum"} and len(live) < len(states)):
+        return _MIXED  # a sum plus a constant term, or a sum plus a mean
+    return live[0] if len(live) == 1 else _Reduced(kinds.pop(), divided=any(s.divided for s in live))
+
+
+class _Analysis:
+    def __init__(self, gm: fx.GraphModule, batch: dict[fx.Node, _Batch]) -> None:
+        self.state: dict[fx.Node, Any] = dict(batch)
+        for node in gm.graph.nodes:
+            if node.op == "call_function":
+                self.state[node] = self._rule(node)
+
+    def of(self, x: Any) -> Any:
+        return self.state.get(x) if isinstance(x, fx.Node) else None
+
+    def _rule(self, node: fx.Node) -> Any:
+        states = [self.of(a) for a in node.all_input_nodes]
+        if all(s is None for s in states):
+            return None
+        t, args = node.target, node.args
+        if t is operator.getitem:
+            return self._getitem(node)
+        if t in _SUMS:
+            return self._reduce(node, _SUMS[t])
+        if t in _LOSS_REDUCTION_ARG:
+            return self._loss(node)
+        if t in _SCALE and isinstance(self.of(args[0]), _Reduced):
+            return self._scaled(node)
+        if isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags:
+            return self._pointwise(node, states)
+        return self._structural(node, states)
+
+    def _getitem(self, node: fx.Node) -> Any:
+        parent, i = node.args
+        if isinstance(parent, fx.Node) and parent.target in (BOUNDARY, BOUNDARY_BWD):
+            return self.of(parent.args[0][i])  # type: ignore[index]
+        s = self.of(parent)
+        if isinstance(s, _Batch) and i != 0:  # a dropout mask, a norm's statistics: not followed
+            return _UNKNOWN
+        return s
+
+    def _pointwise(self, node: fx.Node, states: list[Any]) -> Any:
+        out = _shape(node)
+        moved = []
+        for a, s in zip(node.all_input_nodes, states):
+            if isinstance(s, _Batch) and out is not None:
+                shape = _shape(a) or ()
+                s = _Batch(s.dim + len(out) - len(shape), s.inner, s.size)
+            moved.append(s)
+        return _combine(moved, node.target)
+
+    def _scaled(self, node: fx.Node) -> Any:
+        red, other = self.of(node.args[0]), node.args[1]
+        if self.of(other) is not None:
+            return _UNKNOWN
+        if red.kind == "sum" and _divides_to_mean(node.target, other, red.counts):
+            return _Reduced("mean", divided=True)
+        return _Reduced(red.kind, divided=red.divided)
+
+    def _reduce(self, node: fx.Node, kind: str) -> Any:
+        src = node.args[0]
+        s, shape = self.of(src), _shape(src)
+        if not isinstance(s, _Batch) or shape is None:
+            return s if isinstance(s, _Reduced) or s in (None, _MIXED) else _UNKNOWN
+        dims = _dims(node, len(shape))
+        if s.dim not in dims:
+            keep = bool(node.kwargs.get("keepdim", node.args[2] if len(node.args) > 2 else False))
+            return s if keep else _Batch(s.dim - sum(d < s.dim for d in dims), s.inner, s.size)
+        reduced = _prod([shape[d] for d in dims])
+        return _Reduced(kind, frozenset({reduced, shape[s.dim], s.size}))
+
+    def _loss(self, node: fx.Node) -> Any:
+        pos = _LOSS_REDUCTION_ARG[node.target]
+        how = node.args[pos] if len(node.args) > pos else node.kwargs.get("reduction", 1)
+        s = self.of(node.args[0])
+        if not isinstance(s, _Batch) or how not in (1, 2):
+            return _UNKNOWN
+        shape = _shape(node.args[0]) or ()
+        return _Reduced("mean" if how == 1 else "sum", frozenset({_prod(shape), shape[s.dim], s.size}))
+
+    def _structural(self, node: fx.Node, states: list[Any]) -> Any:
+        t, args = node.target, node.args
+        if t is aten.embedding.default:  # the weight holds no batch; the indices' batch stays put
+            return self.of(args[1]) if states[0] is None else _UNKNOWN
+        if t is aten.index.Tensor and self.of(args[0]) is None and len(args[1]) == 1:  # type: ignore[arg-type]
+            return self.of(args[1][0])  # a table looked up by batched indices: `emb[idx]`
+        if t in _MATMUL:
+            return _matmul(node, [self.of(a) for a in args])
+        s = self.of(args[0]) if args else None
+        if isinstance(s, _Reduced) and t in (*_SAME, aten.view.default, aten.squeeze.default):
+            return s
+        if not isinstance(s, _Batch) or any(x is not None for x in states[1:]):
+            return _UNKNOWN
+        old, new = _shape(args[0]), _shape(node)
+        if t in _SAME:
+            return s
+        if t in _RESHAPE and old is not None and new is not None:
+            return _reshaped(s, old, new)
+        rule = _MOVES.get(t)
+        return rule(s, node, len(old or ())) if rule else _UNKNOWN
+
+
+def _dims(node: fx.Node, ndim: int) -> list[int]:
+    if node.target in (aten.sum.default, aten.mean.default):
+        return list(range(ndim))
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if dims is None or dims == []:
+        return list(range(ndim))
+    return sorted({d % ndim for d in (dims if isinstance(dims, (list, tuple)) else [dims])})
+
+
+def _divides_to_mean(op: Any, other: Any, counts: frozenset[int]) -> bool:
+    """Is `sum / other` the sum divided by one of the counts it reduced (a mean)?"""
+    if op not in (aten.div.Tensor, aten.div.Scalar) or not isinstance(other, (int, float)):
+        return False
+    return any(math.isclose(other, c, rel_tol=1e-9) for c in counts)
+
+
+def _matmul(node: fx.Node, states: list[Any]) -> Any:
+    """A product keeps a batch that lives in the rows of its first operand (and the leading dim
+    of a batched product, when both operands hold the batch there alike)."""
+    operands = list(node.args)
+    if node.target is aten.addmm.default:
+        if states[0] is not None:
+            return _UNKNOWN
+        states, operands = states[1:], operands[1:]
+    first, second = states[0], states[1]
+    ndim = len(_shape(operands[0]) or ())
+    if not isinstance(first, _Batch) or first.dim >= ndim - 1:  # none, or in the contracted dim
+        return _UNKNOWN
+    if second is not None and (second != first or first.dim >= ndim - 2):
+        return _UNKNOWN
+    return first
+
+
+def _move_permute(s: _Batch, node: fx.Node, ndim: int) -> Any:
+    order = [d % ndim for d in node.args[1]]  # type: ignore[union-attr]
+    return _Batch(order.index(s.dim), s.inner, s.size)
+
+
+def _move_transpose(s: _Batch, node: fx.Node, ndim: int) -> Any:
+    a, b = (node.args[1] % ndim, node.args[2] % ndim) if len(node.args) > 2 else (0, 1)  # type: ignore[operator]
+    return _Batch({a: b, b: a}.get(s.dim, s.dim), s.inner, s.size)
+
+
+def _move_unsqueeze(s: _Batch, node: fx.Node, ndim: int) -> Any:
+    k = node.args[1] % (ndim + 1)  # type: ignore[operator]
+    return _Batch(s.dim + (k <= s.dim), s.inner, s.size)
+
+
+def _move_select(s: _Batch, node: fx.Node, ndim: int) -> Any:
+    k = node.args[1] % ndim  # type: ignore[operator]
+    if k == s.dim:
+        return _UNKNOWN
+    return _Batch(s.dim - (k < s.dim), s.inner, s.size) if node.target is aten.select.int else s
+
+
+def _move_last_dim(s: _Batch, node: fx.Node, ndim: int) -> Any:
+    """Softmax-like ops over one dim, norms over the trailing dims: per-example if not the batch's."""
+    if node.target is aten.native_layer_norm.default:
+        return s if s.dim < ndim - len(node.args[1]) else _UNKNOWN  # type: ignore[arg-type]
+    return s if node.args[1] % ndim != s.dim else _UNKNOWN  # type: ignore[operator]
+
+
+def _move_expand(s: _Batch, node: fx.Node, ndim: int) -> Any:
+    return _Batch(s.dim + len(node.args[1]) - ndim, s.inner, s.size)  # type: ignore[arg-type]
+
+
+_RESHAPE = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+_MATMUL = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.mv.default}
+_MOVES = {
+    aten.permute.default: _move_permute,
+    aten.transpose.int: _move_transpose,
+    aten.t.default: _move_transpose,
+    aten.unsqueeze.default: _move_unsqueeze,
+    aten.select.int: _move_select,
+    aten.slice.Tensor: _move_select,
+    aten._log_softmax.default: _move_last_dim,
+    aten._softmax.default: _move_last_dim,
+    aten.native_layer_norm.default: _move_last_dim,
+    aten.expand.default: _move_expand,
+}
+
+
+def batch_reduction(gm: fx.GraphModule, data_axes: dict[int, int], out_index: int) -> str | None:
+    """How output `out_index` (a scalar) of the forward graph `gm` reduces the batch: "mean",
+    "sum", "mixed", None (not followed), or "divided": a mean only because a sum is divided by
+    a number equal to a count it reduced -- `x.sum() / x.shape[0]`, or a constant that happens to
+    equal it; the caller tells them apart by tracing at another batch size (a count changes
+    with it, a constant does not). `data_axes`: placeholder position -> split axis, for the data
+    inputs split into microbatches."""
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    batch = {}
+    for pos, axis in data_axes.items():
+        shape = _shape(phs[pos])
+        if shape is not None and len(shape) > axis:
+            batch[phs[pos]] = _Batch(axis, 1, shape[axis])
+    analysis = _Analysis(gm, batch)
+    out = gm.graph.find_nodes(op="output")[0].args[0][out_index]  # type: ignore[index]
+    s = analysis.of(out)
+    if isinstance(s, _Reduced):
+        return "divided" if s.divided else s.kind
+    return "mixed" if s == _MIXED else None

@@ -77,6 +77,8 @@ def _skip_updated_in_place(ws, x):
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("stages", [2, 3])
 def test_in_place_update_after_an_automatic_cut(stages, schedule):
+    """A guard: automatic cuts follow program order, so the old split got this right too; the
+    functional graph (the update an out-of-place add) must keep it right."""
     g = torch.Generator().manual_seed(1)
     ws = torch.randn(5, 6, 6, generator=g, dtype=DT) / 2
     x = torch.randn(8, 6, generator=g, dtype=DT)
@@ -192,7 +194,7 @@ def test_grad_mode_is_part_of_the_key():
 
 def test_default_dtype_is_part_of_the_key():
     def f(w, x):
-        return x @ w + torch.full((), 0.1).to(DT)  # 0.1 in the default dtype
+        return x @ w + torch.tensor(0.1).to(DT)  # 0.1 in the default dtype
 
     w, x = torch.ones(3, dtype=DT), torch.ones(4, 3, dtype=DT)
     piped = fpipe.pipeline(f, microbatches=2)
@@ -262,7 +264,9 @@ def test_a_reshaped_buffer_is_an_error():
     x = torch.randn(4, 3, dtype=DT)
     piped(params, x)
     module.scale = torch.ones(1, dtype=DT)
-    with pytest.raises(ValueError, match=r"buffer 'scale' of _Scaled is now a torch.float64 tensor of shape \(1,\)"):
+    with pytest.raises(
+        ValueError, match=r"buffer 'scale' of _Scaled is now a torch.float64 tensor of shape \(1,\)"
+    ):
         piped(params, x)
 
 

@@ -89,9 +89,7 @@ def _tensor_key(t: torch.Tensor, device_type: str) -> tuple[Any, ...]:
 
 
 def _ambient_key() -> tuple[Any, ...]:
-    autocast = tuple(
-        (d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
-    )
+    autocast = tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda"))
     return (autocast, torch.is_grad_enabled(), torch.get_default_dtype())
 
 
@@ -123,8 +121,8 @@ class _Compiled:
     diff: list[int]
     stage_costs: list[float] | None
     param_keys: list[Any]
+    const_sources: list[Any]  # Forward.sources: where each const is read at every call
     local_params: list[int] | None = None
-    const_sources: list[Any] = dataclasses.field(default_factory=list)  # Forward.sources
 
 
 class Pipelined:
@@ -245,10 +243,8 @@ class Pipelined:
         call = self._call_str()
         data_device = self._device(inp)
         mode, fakes = make_fakes([*inp.param_leaves, *mb0], data_device)
-        fwd = trace_forward(
-            call, self.f, self._rebuild(inp), _wanting_grad(fakes, inp, grad_of), len(inp.param_leaves),
-            data_device,
-        )
+        wanting = _wanting_grad(fakes, inp, grad_of)
+        fwd = trace_forward(call, self.f, self._rebuild(inp), wanting, len(inp.param_leaves), data_device)
         stage_costs = self._cut(fwd, [*inp.param_leaves, *mb0], data_device)
         reductions = self._reductions(fwd)
         const_fakes = [trace_fake(mode, c, data_device) for c in fwd.consts]
@@ -273,9 +269,9 @@ class Pipelined:
         runner: Any = (
             LocalRunner(staged, sched) if pg is None else DistRunner(staged, sched, pg, self.timeout)
         )
+        keys = _param_keys(inp)
         return _Compiled(
-            staged, runner, fwd.consts, fwd.out_spec, reductions, diff, stage_costs, _param_keys(inp),
-            const_sources=fwd.sources,
+            staged, runner, fwd.consts, fwd.out_spec, reductions, diff, stage_costs, keys, fwd.sources
         )
 
     def _split_backward(self, staged: Staged, sched: Schedule) -> Staged:
@@ -766,7 +762,9 @@ def _reduce(per_mb: list[list[torch.Tensor]], reductions: Sequence[str | int]) -
     return out
 
 
-def _check_hashable(call: str, f: Callable[..., Any], statics: list[Any], spec: Any, is_tensor: list[bool]) -> None:
+def _check_hashable(
+    call: str, f: Callable[..., Any], statics: list[Any], spec: Any, is_tensor: list[bool]
+) -> None:
     """Non-tensor arguments key the trace by hash and equality (NOTE [trace key])."""
     for i, s in enumerate(statics):
         try:

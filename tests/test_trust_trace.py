@@ -99,6 +99,28 @@ def test_traced_programs_have_no_in_place_operations_but_input_writes():
                 assert node.args[0].name in staged.const_inputs, (place, node.format_node())
 
 
+def test_a_buffer_update_runs_on_its_modules_stage():
+    """A BatchNorm after a boundary updates its counter on its own stage (the rank that holds
+    it), not wherever the functional graph's trailing write would fall."""
+    module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4)).to(DT).train()
+    fn, params = fpipe.functionalize(module)
+
+    def f(p, x):
+        return fn(p, fpipe.stage_boundary(x * 2)).pow(2).mean()
+
+    piped = fpipe.pipeline(f, microbatches=2)
+    fpipe.value_and_grad(piped)(params, torch.randn(4, 3, dtype=DT))
+    assert module[1].num_batches_tracked.item() == 2
+    staged = next(iter(piped._cache.values())).staged
+    writes = {
+        place
+        for place, prog in staged.programs.items()
+        for node in prog.gm.graph.nodes
+        if node.target is torch.ops.aten.copy_.default
+    }
+    assert writes == {("F", 1)}
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_batchnorm_statistics_with_functional_graphs(schedule):
     """Running statistics are updated once per microbatch, in order, as eager training does."""

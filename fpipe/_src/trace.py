@@ -169,7 +169,25 @@ def _functional(gm: fx.GraphModule, fakes: Sequence[torch.Tensor]) -> fx.GraphMo
     functional = torch.func.functionalize(gm, remove="mutations")
     out = make_fx(functional, tracing_mode="fake", _allow_non_fake_inputs=True)(*plain)
     _drop_same_copies(out)
+    _hoist_input_writes(out)
     return out
+
+
+def _hoist_input_writes(gm: fx.GraphModule) -> None:
+    """Move each write into an input (`copy_(input, new)`, which functionalize puts at the end)
+    back to where the user wrote it: right after the new value and every read of the old one.
+    The split places a write nothing reads with the forward work that follows it, so a BatchNorm
+    counter's update runs on that BatchNorm's stage (its rank holds the buffer), not on stage 0."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for node in list(gm.graph.find_nodes(op="call_function", target=torch.ops.aten.copy_.default)):
+        dst = node.args[0]
+        if not isinstance(dst, fx.Node) or dst.op != "placeholder":
+            continue
+        after = [a for a in node.all_input_nodes if a is not dst] + [u for u in dst.users if u is not node]
+        anchor = max(after, key=order.__getitem__, default=dst)
+        if order[anchor] < order[node]:
+            anchor.append(node)
+    gm.recompile()
 
 
 def _drop_same_copies(gm: fx.GraphModule) -> None:

@@ -13,6 +13,7 @@ import hashlib
 import inspect
 import os
 import warnings
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -55,19 +56,61 @@ class _Inputs:
     is_tensor: list[bool]
     data_spec: Any
 
-    def key(self) -> tuple[Any, ...]:
-        def sig(t: torch.Tensor) -> tuple[Any, ...]:
-            # a meta parameter (another rank's) traces like a real one: same signature
-            return (tuple(t.shape), t.dtype)
-
+    def key(self, device_type: str) -> tuple[Any, ...]:
+        """Everything a trace depends on (NOTE [trace key]); `device_type`: where meta tensors
+        are traced (the data's device)."""
         return (
             str(self.param_spec),
-            tuple(sig(t) for t in self.param_leaves),
+            tuple(_tensor_key(t, device_type) for t in self.param_leaves),
             str(self.data_spec),
-            tuple(sig(t) for t in self.data_leaves),
+            tuple(_tensor_key(t, device_type) for t in self.data_leaves),
             tuple(self.axes),
-            tuple(repr(s) for s in self.statics),
+            tuple(_Static(s) for s in self.statics),
+            _ambient_key(),
         )
+
+
+# NOTE [trace key]
+# A trace is reused for a call whose key equals the traced call's, so the key holds everything
+# that can change what the trace records: each tensor's shape, dtype, device type and strides
+# (kernels and views differ by layout); every non-tensor argument by type, hash and equality
+# (jax.jit's static arguments: a value that prints alike but differs, such as two numpy arrays
+# that differ in the middle, must not share a trace, so unhashable values are refused); and the
+# ambient state the function runs under: autocast per device type, grad mode, default dtype.
+# Every rank must compute an equal key for the same inputs (`_check_same_signature` compares a
+# digest of its repr): a meta tensor (another rank's parameter) is keyed as a tensor on the
+# device it is traced on, the device *type* is keyed (cuda:0 and cuda:1 trace alike), and a
+# static's repr drops object addresses.
+
+
+def _tensor_key(t: torch.Tensor, device_type: str) -> tuple[Any, ...]:
+    # a meta parameter (another rank's) traces like a real one on the data's device: same key
+    dev = device_type if t.is_meta else t.device.type
+    strides = tuple(st if n > 1 else 0 for st, n in zip(t.stride(), t.shape))  # size-1 dims: any
+    return (tuple(t.shape), t.dtype, dev, strides)
+
+
+def _ambient_key() -> tuple[Any, ...]:
+    autocast = tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda"))
+    return (autocast, torch.is_grad_enabled(), torch.get_default_dtype())
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Static:
+    """A non-tensor argument in a trace key: equal by type and value, hashed by value."""
+
+    value: Any
+
+    def __hash__(self) -> int:
+        return hash((type(self.value), self.value))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _Static) or type(self.value) is not type(other.value):
+            return False
+        return bool(self.value is other.value or self.value == other.value)
+
+    def __repr__(self) -> str:  # the same on every rank: no object addresses
+        return re.sub(r" at 0x[0-9a-fA-F]+", "", f"{type(self.value).__qualname__}:{self.value!r}")
 
 
 @dataclasses.dataclass
@@ -80,6 +123,7 @@ class _Compiled:
     diff: list[int]
     stage_costs: list[float] | None
     param_keys: list[Any]
+    const_sources: list[Any]  # Forward.sources: where each const is read at every call
     local_params: list[int] | None = None
 
 
@@ -158,6 +202,7 @@ class Pipelined:
             else:
                 statics.append(leaf)
                 is_tensor.append(False)
+        _check_hashable(call, self.f, statics, spec, is_tensor)
         return _Inputs(p_leaves, p_spec, data, axes, statics, is_tensor, spec)
 
     def _split_data(self, inp: _Inputs) -> list[list[torch.Tensor]]:
@@ -200,9 +245,8 @@ class Pipelined:
         call = self._call_str()
         data_device = self._device(inp)
         mode, fakes = make_fakes([*inp.param_leaves, *mb0], data_device)
-        fwd = trace_forward(
-            call, self.f, self._rebuild(inp), _wanting_grad(fakes, inp, grad_of), len(inp.param_leaves)
-        )
+        wanting = _wanting_grad(fakes, inp, grad_of)
+        fwd = trace_forward(call, self.f, self._rebuild(inp), wanting, len(inp.param_leaves), data_device)
         stage_costs = self._cut(fwd, [*inp.param_leaves, *mb0], data_device)
         reductions = self._reductions(fwd, inp)
         const_fakes = [trace_fake(mode, c, data_device) for c in fwd.consts]
@@ -225,8 +269,9 @@ class Pipelined:
         runner: Any = (
             LocalRunner(staged, sched) if pg is None else DistRunner(staged, sched, pg, self.timeout)
         )
+        keys = _param_keys(inp)
         return _Compiled(
-            staged, runner, fwd.consts, fwd.out_spec, reductions, diff, stage_costs, _param_keys(inp)
+            staged, runner, fwd.consts, fwd.out_spec, reductions, diff, stage_costs, keys, fwd.sources
         )
 
     def _split_backward(self, staged: Staged, sched: Schedule) -> Staged:
@@ -385,7 +430,7 @@ class Pipelined:
     ) -> tuple[_Inputs, list[list[torch.Tensor]], _Compiled]:
         inp = self._flatten(params, args, kwargs)
         mbs = self._split_data(inp)
-        key = (inp.key(), grad_of, has_aux)
+        key = (inp.key(self._device(inp).type), grad_of, has_aux)
         if self.pg is not None:
             self._check_same_signature(key, inp)
         compiled = self._cache.get(key)
@@ -427,7 +472,7 @@ class Pipelined:
         st = c.staged
         self._check_local_params(inp, c)
         glob = dict(zip(st.param_inputs, inp.param_leaves))
-        glob.update(zip(st.const_inputs, c.consts))
+        glob.update(zip(st.const_inputs, _current_consts(self._call_str(), c)))
         if ct is not None:
             glob[st.ct_input] = torch.tensor(ct, dtype=st.meta[st.ct_input][1], device=self._device(inp))
         data = [dict(zip(st.data_inputs, mb)) for mb in mbs]
@@ -666,6 +711,22 @@ def _cotangent_dtype(fwd: Forward) -> torch.dtype:
     """The loss's dtype, at least fp32: 1/M in bf16 is off by up to 0.4 %, a bias in every gradient."""
     loss = fwd.gm.graph.find_nodes(op="output")[0].args[0][0].meta["val"]  # type: ignore[index, union-attr]
     return torch.promote_types(loss.dtype, torch.float32)
+def _current_consts(call: str, c: _Compiled) -> list[torch.Tensor]:
+    """The module buffers the programs read, as the module holds them now (a buffer reassigned
+    since the trace, by `load_state_dict(..., assign=True)` or `module.buf = t`, is read anew);
+    captured tensors that are not a module's buffer, as traced."""
+    out = []
+    for traced, source in zip(c.consts, c.const_sources or [None] * len(c.consts)):
+        now = traced if source is None else source[0].get_buffer(source[1])
+        if now is not traced and (now.shape, now.dtype) != (traced.shape, traced.dtype):
+            raise ValueError(
+                f"{call}: buffer {source[1]!r} of {type(source[0]).__name__} is now a {now.dtype} "
+                f"tensor of shape {tuple(now.shape)}, but the pipeline was traced with a "
+                f"{traced.dtype} tensor of shape {tuple(traced.shape)}; build a new pipeline for "
+                "the changed module (fpipe.pipeline(...)), or assign buffers of the traced shape."
+            )
+        out.append(now)
+    return out
 
 
 def _shapes(val: Any) -> Any:
@@ -680,10 +741,12 @@ def _wanting_grad(
     fakes: list[torch.Tensor], inp: _Inputs, grad_of: tuple[int, ...] | None
 ) -> list[torch.Tensor]:
     """The forward trace sees the inputs to be differentiated as requiring grad, as eager would:
-    kernels are chosen by that (attention with a learned mask must take the differentiable path)."""
-    if grad_of is None:
-        return fakes
-    wanted = {p for num in grad_of for p in _positions_of_argnum(inp, num)}
+    kernels are chosen by that (attention with a learned mask must take the differentiable path),
+    and the trace finds the custom autograd.Functions a gradient would pass through by them
+    (NOTE [custom autograd.Function] in trace.py). A plain call traces like `value_and_grad`'s
+    default (argnums=0: the params): `materialize` and the step then trace the same operations,
+    and `torch.func.grad(piped)` differentiates a program that was checked."""
+    wanted = {p for num in (grad_of or (0,)) for p in _positions_of_argnum(inp, num)}
     return [
         f.detach().requires_grad_(True) if i in wanted and (f.is_floating_point() or f.is_complex()) else f
         for i, f in enumerate(fakes)
@@ -739,6 +802,24 @@ def _reduce(per_mb: list[list[torch.Tensor]], reductions: Sequence[str | int]) -
         else:
             out.append(torch.cat(vals, dim=int(r)))
     return out
+
+
+def _check_hashable(
+    call: str, f: Callable[..., Any], statics: list[Any], spec: Any, is_tensor: list[bool]
+) -> None:
+    """Non-tensor arguments key the trace by hash and equality (NOTE [trace key])."""
+    for i, s in enumerate(statics):
+        try:
+            hash(s)
+        except TypeError:
+            name = _leaf_names(f, spec, [not t for t in is_tensor])[i]
+            raise TypeError(
+                f"{call}: argument {name} is a {type(s).__name__}, which is not hashable; fpipe "
+                "traces the function once per input signature and keys it by the value of every "
+                "non-tensor argument (like jax.jit's static arguments), so those must be hashable. "
+                "Pass it as a tensor (torch.as_tensor(...); it is then an input of the program) or "
+                "as a tuple of hashable values."
+            ) from None
 
 
 def _leaf_names(f: Callable[..., Any], spec: Any, is_tensor: list[bool]) -> list[str]:

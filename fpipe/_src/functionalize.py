@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .trace import note_state
+from .trace import note_module
 
 __all__ = ["functionalize", "Functionalized"]
 
@@ -28,7 +28,7 @@ class Functionalized:
 
     def __call__(self, params: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
         self._check_keys(params)
-        note_state(self.module.buffers())
+        note_module(self.module)
         return torch.func.functional_call(self.module, params, args, kwargs, tie_weights=True)
 
     def _check_keys(self, params: Any) -> None:

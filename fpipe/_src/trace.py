@@ -18,17 +18,18 @@ user's line.
 
 from __future__ import annotations
 
-import contextlib
+import contextvars
 import dataclasses
 import linecache
 import os
 import sys
 import traceback
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
+from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -54,8 +55,10 @@ class Forward:
     gm: fx.GraphModule
     n_params: int
     n_data: int
-    consts: list[torch.Tensor]
+    consts: list[torch.Tensor]  # as traced; the runtime reads `sources` afresh at every call
     out_spec: Any
+    # where each const came from: (module, buffer name), or None (a tensor the function captured)
+    sources: list[tuple[torch.nn.Module, str] | None] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -98,36 +101,109 @@ def _raise_data_dependent(call: str, err: BaseException) -> None:
     ) from err
 
 
-_SNAPSHOTS: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+@dataclasses.dataclass
+class _TraceState:
+    """What one running trace learns from the modules it calls (`note_module`)."""
+
+    snapshots: list[tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=list)
+    sources: dict[int, tuple[torch.nn.Module, str]] = dataclasses.field(default_factory=dict)
 
 
-def note_state(tensors: Iterable[torch.Tensor]) -> None:
-    """Called by `Functionalized` while a trace runs: remember scalar buffers to restore after.
+# Per thread and per context, never process-wide: two traces in two threads do not mix.
+_STATE: contextvars.ContextVar[_TraceState | None] = contextvars.ContextVar("fpipe_trace", default=None)
+
+
+def note_module(module: torch.nn.Module) -> None:
+    """Called by `Functionalized` while a trace runs: remember where each buffer lives (so the
+    runtime reads the module's current tensor at every call, `Forward.sources`) and snapshot
+    scalar buffers to restore after the trace.
 
     Fake tracing treats 0-dim CPU tensors as real values, so an in-place update of one (BatchNorm's
     `num_batches_tracked += 1`) would really happen at trace time; the trace puts it back.
     """
-    if _SNAPSHOTS is None:
+    state = _STATE.get()
+    if state is None:
         return
     with _disable_current_modes():  # a real copy, not a traced one
-        for t in tensors:
+        for name, t in module.named_buffers():
+            state.sources.setdefault(id(t), (module, name))
             if t.dim() == 0 and t.device.type != "meta" and not isinstance(t, FakeTensor):
-                _SNAPSHOTS.append((t, t.detach().clone()))
+                state.snapshots.append((t, t.detach().clone()))
 
 
-def _trace(call: str, fn: Callable[..., Any], fakes: Sequence[torch.Tensor]) -> fx.GraphModule:
-    global _SNAPSHOTS
-    outer, _SNAPSHOTS = _SNAPSHOTS, []
+def _trace(
+    call: str, fn: Callable[..., Any], fakes: Sequence[torch.Tensor]
+) -> tuple[fx.GraphModule, _TraceState]:
+    state = _TraceState()
+    token = _STATE.set(state)
     try:
-        return make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*fakes)
+        return make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*fakes), state
     except (DataDependentOutputException, DynamicOutputShapeException) as err:
         _raise_data_dependent(call, err)
         raise  # unreachable
     finally:
+        _STATE.reset(token)
         with torch.no_grad():
-            for t, saved in reversed(_SNAPSHOTS):
+            for t, saved in reversed(state.snapshots):
                 t.copy_(saved)
-        _SNAPSHOTS = outer
+
+
+# NOTE [functional graphs]
+# The split hands values between programs and reorders work across stages and microbatches, so
+# an in-place operation in a traced graph is a wrong result waiting to happen: a mutation of a
+# value another program saved (`y = stage_boundary(h); y.mul_(2)` mutates stage 0's saved `h`),
+# or a write that runs before a read the user's program order put first (`b = h + a; a.mul_(3)`
+# with `b` on a later stage). So every traced graph is re-traced under
+# `torch.func.functionalize(remove="mutations")` (as AOTAutograd does): in-place operations become
+# out-of-place ones, and a mutation of an *input* (BatchNorm's running statistics, lifted to a
+# `const` input) becomes one explicit `copy_` into that input at the end of the graph -- the only
+# mutations left, each placed with the forward work that computes the new value. Views stay views
+# (nothing mutates them any more), so the partition's cost model and the runtime's matrix-product
+# accumulation still see `t`/`view`. The re-trace runs on the already-traced aten graph, where the
+# boundary markers are plain custom ops: functionalize cannot run an autograd.Function itself.
+
+
+def _functional(gm: fx.GraphModule, fakes: Sequence[torch.Tensor]) -> fx.GraphModule:
+    """`gm` re-traced without in-place operations (NOTE [functional graphs])."""
+    plain = [f.detach() for f in fakes]
+    functional = torch.func.functionalize(gm, remove="mutations")
+    out = make_fx(functional, tracing_mode="fake", _allow_non_fake_inputs=True)(*plain)
+    _drop_same_copies(out)
+    _hoist_input_writes(out)
+    return out
+
+
+def _hoist_input_writes(gm: fx.GraphModule) -> None:
+    """Move each write into an input (`copy_(input, new)`, which functionalize puts at the end)
+    back to where the user wrote it: right after the new value and every read of the old one.
+    The split places a write nothing reads with the forward work that follows it, so a BatchNorm
+    counter's update runs on that BatchNorm's stage (its rank holds the buffer), not on stage 0."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for node in list(gm.graph.find_nodes(op="call_function", target=torch.ops.aten.copy_.default)):
+        dst = node.args[0]
+        if not isinstance(dst, fx.Node) or dst.op != "placeholder":
+            continue
+        after = [a for a in node.all_input_nodes if a is not dst] + [u for u in dst.users if u is not node]
+        anchor = max(after, key=order.__getitem__, default=dst)
+        if order[anchor] < order[node]:
+            anchor.append(node)
+    gm.recompile()
+
+
+def _drop_same_copies(gm: fx.GraphModule) -> None:
+    """`copy(dst, src)` with `src` already of `dst`'s shape, dtype and layout is `src` itself (the
+    functional form of an input write; the `copy_` into the input that follows reads it)."""
+    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.copy.default):
+        dst, src = (a.meta.get("val") if isinstance(a, fx.Node) else None for a in node.args[:2])
+        if isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor) and _same_layout(dst, src):
+            node.replace_all_uses_with(node.args[1])  # type: ignore[arg-type]
+            gm.graph.erase_node(node)
+    gm.recompile()
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    same = (a.shape, a.dtype, a.device, a.stride()) == (b.shape, b.dtype, b.device, b.stride())
+    return bool(same) and not b._is_view()  # a view of `a` itself must still be copied first
 
 
 def _lift_constants(gm: fx.GraphModule) -> list[torch.Tensor]:
@@ -157,30 +233,19 @@ def _lift_constants(gm: fx.GraphModule) -> list[torch.Tensor]:
     return consts
 
 
-@contextlib.contextmanager
-def _no_custom_autograd(call: str) -> Iterator[None]:
-    """Refuse `torch.autograd.Function` subclasses in a traced function.
+def _refuse_custom_autograd(call: str, outs: Sequence[Any]) -> None:
+    """Refuse `torch.autograd.Function` subclasses that the outputs' gradients go through.
 
     # NOTE [custom autograd.Function]
     The forward trace records a Function's forward as plain aten ops and the joint trace then
     differentiates those ops: a custom backward (a straight-through estimator, gradient
     reversal) would be silently replaced by the true derivative. Until the joint trace calls the
-    user's backward, such a function is an error, not a wrong gradient.
+    user's backward, such a function is an error, not a wrong gradient. The trace runs with the
+    inputs to be differentiated requiring grad (`_wanting_grad` in api.py), so each Function a
+    gradient passes through left its backward node on the outputs' autograd graph; the walk
+    finds the user's ones (fpipe's markers and torch's own Functions are fine).
     """
-    function = torch.autograd.function.Function
-    original = function.__dict__["apply"]
-    used: list[type] = []
-
-    def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
-        if not cls.__module__.startswith(("fpipe.", "torch.")):
-            used.append(cls)
-        return original.__func__(cls, *args, **kwargs)
-
-    function.apply = classmethod(apply)  # type: ignore[assignment, method-assign]
-    try:
-        yield
-    finally:
-        function.apply = original  # type: ignore[method-assign]
+    used = _custom_functions(o.grad_fn for o in outs if isinstance(o, torch.Tensor))
     if used:
         raise ValueError(
             f"{call}: the function calls the custom autograd.Function {used[0].__qualname__} "
@@ -191,14 +256,33 @@ def _no_custom_autograd(call: str) -> Iterator[None]:
         )
 
 
+def _custom_functions(roots: Iterable[Any]) -> list[type]:
+    """The user-defined autograd.Function classes on the autograd graph below `roots`."""
+    seen: set[int] = set()
+    stack = [r for r in roots if r is not None]
+    found: list[type] = []
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        cls = getattr(type(node), "_forward_cls", None)
+        if cls is not None and not cls.__module__.startswith(("fpipe.", "torch.")) and cls not in found:
+            found.append(cls)
+        stack.extend(n for n, _ in node.next_functions if n is not None)
+    return found
+
+
 def trace_forward(
     call: str,
     f: Callable[..., Any],
     rebuild: Callable[[list[torch.Tensor]], tuple[Any, tuple[Any, ...], dict[str, Any]]],
     fakes: Sequence[torch.Tensor],
     n_params: int,
+    device: torch.device | None = None,
 ) -> Forward:
-    """Trace `f(*rebuild(leaves))` into a flat forward graph."""
+    """Trace `f(*rebuild(leaves))` into a flat, functional forward graph (see `_functional`);
+    `device`: where meta constants are traced (the data's device)."""
     out_spec: list[Any] = []
 
     def flat_f(*leaves: torch.Tensor) -> list[torch.Tensor]:
@@ -211,13 +295,16 @@ def trace_forward(
                 f"{call}: the function must return tensors (in any pytree), but its output "
                 f"{spec} has leaves of type {bad}; return tensors only."
             )
+        _refuse_custom_autograd(call, out_leaves)
         out_spec.append(spec)
         return out_leaves
 
-    with _no_custom_autograd(call):
-        gm = _trace(call, flat_f, fakes)
+    gm, state = _trace(call, flat_f, fakes)
     consts = _lift_constants(gm)
-    return Forward(gm, n_params, len(fakes) - n_params, consts, out_spec[0])
+    sources = [state.sources.get(id(c)) for c in consts]
+    mode = detect_fake_mode(fakes) or FakeTensorMode(allow_non_fake_inputs=True)
+    gm = _functional(gm, [*fakes, *(fake_like(mode, c, device) for c in consts)])
+    return Forward(gm, n_params, len(fakes) - n_params, consts, out_spec[0], sources)
 
 
 class _Replay(fx.Interpreter):
@@ -259,7 +346,7 @@ def trace_joint(
         grads, (_, outs) = torch.func.grad_and_value(inner, has_aux=True)(primals, rest)
         return [*outs, *grads]
 
-    gm = _trace(call, joint, fakes)
+    gm = _functional(_trace(call, joint, fakes)[0], fakes)
     n_outs = len(fwd.gm.graph.find_nodes(op="output")[0].args[0])
     return Joint(gm, fwd.n_params, fwd.n_data, len(fwd.consts), n_outs, list(diff))
 

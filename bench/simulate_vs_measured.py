@@ -98,20 +98,23 @@ def parse_action(text: str) -> Action:
 
 @dataclasses.dataclass
 class Span:
-    """One action's events in a step: the first start, the last end, and the time spent inside
-    its events (their durations summed: the action's cost; the rest of the span is the runtime's
-    work between its halves, a send)."""
+    """One action's events in a step: the first start, the last end, the time spent inside its
+    events (their durations summed: the action's cost; the rest of the span is the runtime's
+    work between its halves, a send), and the first event's end (when a full backward that
+    runs as two halves sends its input gradients: its peer's data leaves then, not at `end`)."""
 
     start: float
     end: float
     busy: float
+    sent: float
 
     def add(self, start: float, end: float) -> Span:
-        return Span(min(self.start, start), max(self.end, end), self.busy + end - start)
+        sent = end if start < self.start else self.sent
+        return Span(min(self.start, start), max(self.end, end), self.busy + end - start, sent)
 
 
 def _merge(into: dict[Action, Span], a: Action, start: float, end: float) -> None:
-    into[a] = into[a].add(start, end) if a in into else Span(start, end, end - start)
+    into[a] = into[a].add(start, end) if a in into else Span(start, end, end - start, end)
 
 
 @dataclasses.dataclass
@@ -168,9 +171,9 @@ def per_stage_costs(sched: Schedule, steps: list[Step]) -> dict[str, list[float]
 
 
 def comm_delay(sched: Schedule, steps: list[Step], min_wait: float = 2e-4) -> tuple[float, int]:
-    """Median delay from a peer's action finishing to the data being here, over the waits that
-    actually blocked (longer than `min_wait`) and whose awaited action is known: the wait ends
-    when the last transfer arrives. Waits that did not block say only that the data was early;
+    """Median delay from a peer's action sending (when it finishes, or a full backward's first
+    half does) to the data being here, over the waits that actually blocked (longer than
+    `min_wait`) and whose awaited action is known: the wait ends when the last transfer arrives. Waits that did not block say only that the data was early;
     they are not attributable. Returns (delay, samples); (0, 0) when none is attributable."""
     deps = dependencies(sched)
     samples = []
@@ -180,7 +183,7 @@ def comm_delay(sched: Schedule, steps: list[Step], min_wait: float = 2e-4) -> tu
                 continue
             r = sched.stage_rank[a.stage]
             remote = [
-                st.actions[d].end for d in deps(a) if sched.stage_rank[d.stage] != r and d in st.actions
+                st.actions[d].sent for d in deps(a) if sched.stage_rank[d.stage] != r and d in st.actions
             ]
             if remote:
                 samples.append(max(w.end - max(remote), 0.0))

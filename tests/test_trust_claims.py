@@ -173,3 +173,108 @@ def test_values_are_freed_after_their_last_reader():
     # 1F1B has at most `STAGES` microbatches in flight, each holding at most its crossing values
     assert 0 < peak_1f1b <= never_freed * STAGES / MICROBATCHES
     assert peak_1f1b < 0.5 * peak_gpipe  # in flight per stage: 4+3+2+1 of GPipe's 4 x 8
+
+
+# -- bf16 and mixed precision ---------------------------------------------------------------------------
+
+BF16_EPS = torch.finfo(torch.bfloat16).eps  # 2**-7: one bf16 rounding is up to half of it
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Norm-wise relative error, in fp64."""
+    return ((actual.double() - expected.double()).norm() / expected.double().norm()).item()
+
+
+def assert_rel_close(actual: dict, expected: dict, tol: float) -> None:
+    assert actual.keys() == expected.keys()
+    for k in expected:
+        assert actual[k].dtype == expected[k].dtype, k
+        assert rel_err(actual[k], expected[k]) < tol, (k, rel_err(actual[k], expected[k]))
+
+
+def test_fp32_gradients_exact_beside_a_bf16_parameter():
+    """A bf16 parameter first in the dict must not make the fp32 gradients bf16-accurate: the
+    mean over 3 microbatches (1/3) is not representable in bf16 (0.3340, 2e-3 off)."""
+    g = torch.Generator().manual_seed(0)
+    params = {
+        "a": torch.randn(8, generator=g).bfloat16(),
+        "w": torch.randn(6, 8, generator=g),
+        "v": torch.randn(8, 8, generator=g),
+    }
+    x = torch.randn(12, 6, generator=g)
+
+    def f(p, x, boundary=fpipe.stage_boundary):
+        h = boundary(torch.tanh(x @ p["w"]) * p["a"].float())
+        return torch.tanh(h @ p["v"]).pow(2).mean()
+
+    ref_grads, ref_loss = torch.func.grad_and_value(lambda p, x: f(p, x, lambda h: h))(params, x)
+    loss, grads = fpipe.value_and_grad(fpipe.pipeline(f, microbatches=3))(params, x)
+    assert loss.dtype == torch.float32
+    assert rel_err(loss, ref_loss) < 1e-5
+    assert_rel_close({k: grads[k] for k in "wv"}, {k: ref_grads[k] for k in "wv"}, 1e-4)
+    assert_rel_close({"a": grads["a"]}, {"a": ref_grads["a"]}, 2 * BF16_EPS)
+
+
+def mlp_loss_case():
+    """A 4-layer MLP cut into 2 stages, its fp32 params and a batch of 16."""
+    torch.manual_seed(0)
+    fn, params = fpipe.functionalize(MLP(hidden=32, n_layers=4, stages=2))
+
+    def loss(p, x, y):
+        return (fn(p, x) - y).pow(2).mean()
+
+    g = torch.Generator().manual_seed(1)
+    return loss, params, torch.randn(16, 6, generator=g), torch.randn(16, 3, generator=g)
+
+
+@pytest.mark.parametrize("microbatches", [1, 4])
+def test_bf16_model_matches_the_unsplit_function_in_bf16(microbatches):
+    """All parameters and data bf16. One microbatch runs the unsplit function's operations, so the
+    results are bit-identical; with 4, the sums over microbatches round differently: within two
+    bf16 epsilons of the unsplit bf16 result, and as close to the fp64 result as it is."""
+    loss, params, x, y = mlp_loss_case()
+    bf = {k: v.bfloat16() for k, v in params.items()}
+    args = (x.bfloat16(), y.bfloat16())
+    ref_grads, ref_loss = torch.func.grad_and_value(loss)(bf, *args)
+    exact_grads, _ = torch.func.grad_and_value(loss)(
+        {k: v.double() for k, v in params.items()}, x.double(), y.double()
+    )
+    got_loss, got = fpipe.value_and_grad(fpipe.pipeline(loss, microbatches=microbatches))(bf, *args)
+    assert got_loss.dtype == torch.bfloat16
+    tol = 1e-30 if microbatches == 1 else 2 * BF16_EPS
+    assert rel_err(got_loss, ref_loss) < tol
+    assert_rel_close(got, ref_grads, tol)
+    for k in params:
+        assert rel_err(got[k], exact_grads[k]) < rel_err(ref_grads[k], exact_grads[k]) + 2 * BF16_EPS
+
+
+@pytest.mark.parametrize("microbatches", [1, 4])
+def test_autocast_matches_the_unsplit_function_under_autocast(microbatches):
+    """fp32 parameters, the pipelined call under `torch.autocast("cpu", bfloat16)` against the
+    unsplit function under the same autocast: bit-identical with one microbatch (so autocast is
+    in effect: without it the products are fp32 and differ by ~5e-3), within two bf16 epsilons
+    with 4."""
+    loss, params, x, y = mlp_loss_case()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_grads, ref_loss = torch.func.grad_and_value(loss)(params, x, y)
+        got_loss, got = fpipe.value_and_grad(fpipe.pipeline(loss, microbatches=microbatches))(params, x, y)
+    fp32_grads, _ = torch.func.grad_and_value(loss)(params, x, y)
+    assert got_loss.dtype == ref_loss.dtype == torch.float32
+    tol = 1e-30 if microbatches == 1 else 2 * BF16_EPS
+    assert rel_err(got_loss, ref_loss) < tol
+    assert_rel_close(got, ref_grads, tol)
+    assert max(rel_err(ref_grads[k], fp32_grads[k]) for k in params) > 1e-3  # autocast changes them
+
+
+def test_one_pipeline_called_with_and_without_autocast():
+    """The program traced under autocast must not serve a call without it (nor the reverse): each
+    call matches the unsplit function under its own autocast state."""
+    loss, params, x, y = mlp_loss_case()
+    vg = fpipe.value_and_grad(fpipe.pipeline(loss, microbatches=1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_auto, _ = torch.func.grad_and_value(loss)(params, x, y)
+        _, got_auto = vg(params, x, y)
+    ref_plain, _ = torch.func.grad_and_value(loss)(params, x, y)
+    _, got_plain = vg(params, x, y)
+    assert_rel_close(got_auto, ref_auto, 1e-6)
+    assert_rel_close(got_plain, ref_plain, 1e-6)

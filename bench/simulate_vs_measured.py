@@ -16,7 +16,7 @@ actions while it is not waiting for a peer (Python bookkeeping, posting receives
 the simulator's actions run back to back, the runtime's do not.
 
     torchrun --standalone --nproc-per-node 2 bench/simulate_vs_measured.py
-    torchrun --standalone --nproc-per-node 4 bench/simulate_vs_measured.py --steps 3
+    torchrun --standalone --nproc-per-node 4 bench/simulate_vs_measured.py --warmup 1 --steps 3
 
 Results and their discussion: docs/BENCHMARKS.md, "Simulator vs measured (issue 4)".
 """

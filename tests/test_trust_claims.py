@@ -285,3 +285,16 @@ def test_one_pipeline_called_with_and_without_autocast():
     _, got_plain = vg(params, x, y)
     assert_rel_close(got_auto, ref_auto, 1e-6)
     assert_rel_close(got_plain, ref_plain, 1e-6)
+
+
+def test_dropout_masks_under_compile_equal_eager():
+    """`compile=True`: the compiled programs draw the eager programs' masks, step after step (the
+    seed is read at run time, not baked into the compiled code)."""
+    eager = run_dropout(boundaries=1, microbatches=2, steps=2)
+    torch.manual_seed(7)
+    piped = fpipe.pipeline(dropout_fn(1), microbatches=2, schedule="1f1b", compile=True)
+    vg = fpipe.value_and_grad(piped, has_aux=True)
+    for m1, m2, grads in eager:
+        c1, c2, c_grads = masked_step(vg, *dropout_inputs())
+        assert torch.equal(c1, m1) and torch.equal(c2, m2)
+        assert_trees_close(c_grads, grads)

@@ -16,7 +16,7 @@ actions while it is not waiting for a peer (Python bookkeeping, posting receives
 the simulator's actions run back to back, the runtime's do not.
 
     torchrun --standalone --nproc-per-node 2 bench/simulate_vs_measured.py
-    torchrun --standalone --nproc-per-node 4 bench/simulate_vs_measured.py --steps 3
+    torchrun --standalone --nproc-per-node 4 bench/simulate_vs_measured.py --warmup 1 --steps 3
 
 Results and their discussion: docs/BENCHMARKS.md, "Simulator vs measured (issue 4)".
 """
@@ -28,6 +28,7 @@ import dataclasses
 import json
 import os
 import platform
+import re
 import statistics
 import time
 from collections import defaultdict
@@ -82,10 +83,38 @@ class GPT(nn.Module):
 # -- measuring ------------------------------------------------------------------------------------
 
 
+_ACTION = re.compile(r"([A-Z])(\d+)\.(\d+)")
+
+
 def parse_action(text: str) -> Action:
-    """'F0.3' -> Action('F', 0, 3): the timeline's event names are the actions' text form."""
-    stage, mb = text[1:].split(".")
-    return Action(text[0], int(stage), int(mb))
+    """'F0.3' -> Action('F', 0, 3): the timeline's event names are the actions' text form. An
+    action may log several events (a full backward that sends to another rank runs as two
+    halves, each an event), under its own name or with a suffix ('B1.0/w'): all are that action's."""
+    m = _ACTION.match(text)
+    if m is None:
+        raise ValueError(f"not an action's event: {text!r}")
+    return Action(m[1], int(m[2]), int(m[3]))
+
+
+@dataclasses.dataclass
+class Span:
+    """One action's events in a step: the first start, the last end, the time spent inside its
+    events (their durations summed: the action's cost; the rest of the span is the runtime's
+    work between its halves, a send), and the first event's end (when a full backward that
+    runs as two halves sends its input gradients: its peer's data leaves then, not at `end`)."""
+
+    start: float
+    end: float
+    busy: float
+    sent: float
+
+    def add(self, start: float, end: float) -> Span:
+        sent = end if start < self.start else self.sent
+        return Span(min(self.start, start), max(self.end, end), self.busy + end - start, sent)
+
+
+def _merge(into: dict[Action, Span], a: Action, start: float, end: float) -> None:
+    into[a] = into[a].add(start, end) if a in into else Span(start, end, end - start, end)
 
 
 @dataclasses.dataclass
@@ -94,12 +123,12 @@ class Step:
 
     begin: float  # the earliest rank's runner start
     skew: float  # the latest rank's runner start minus the earliest's
-    actions: dict[Action, tuple[float, float]]  # every rank's actions: absolute start, end
-    waits: dict[Action, tuple[float, float]]  # waits for a peer, keyed by the waiting action
+    actions: dict[Action, Span]  # every rank's actions, on the absolute clock
+    waits: dict[Action, Span]  # waits for a peer, keyed by the waiting action
 
     @property
     def wall(self) -> float:
-        return max(e for _, e in self.actions.values()) - self.begin
+        return max(sp.end for sp in self.actions.values()) - self.begin
 
 
 def gather_step(piped: fpipe.Pipelined) -> Step:
@@ -110,13 +139,14 @@ def gather_step(piped: fpipe.Pipelined) -> Step:
     mine = (tl.origin, tl.events)
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    actions, waits = {}, {}
+    actions: dict[Action, Span] = {}
+    waits: dict[Action, Span] = {}
     for origin, events in everyone:
         for name, _, s, e, kind in events:
             if kind == "wait":
-                waits[parse_action(name.split()[-1])] = (origin + s, origin + e)
+                _merge(waits, parse_action(name.split()[-1]), origin + s, origin + e)
             else:
-                actions[parse_action(name)] = (origin + s, origin + e)
+                _merge(actions, parse_action(name), origin + s, origin + e)
     origins = [o for o, _ in everyone]
     return Step(min(origins), max(origins) - min(origins), actions, waits)
 
@@ -125,8 +155,8 @@ def per_stage_costs(sched: Schedule, steps: list[Step]) -> dict[str, list[float]
     """Median duration of each kind of action per stage, as `simulate`'s forward/backward/weight."""
     durations: dict[tuple[str, int], list[float]] = defaultdict(list)
     for st in steps:
-        for a, (s, e) in st.actions.items():
-            durations[(a.kind, a.stage)].append(e - s)
+        for a, sp in st.actions.items():
+            durations[(a.kind, a.stage)].append(sp.busy)
 
     def med(kind: str, stage: int) -> float:
         d = durations.get((kind, stage))
@@ -141,35 +171,38 @@ def per_stage_costs(sched: Schedule, steps: list[Step]) -> dict[str, list[float]
 
 
 def comm_delay(sched: Schedule, steps: list[Step], min_wait: float = 2e-4) -> tuple[float, int]:
-    """Median delay from a peer's action finishing to the data being here, over the waits that
-    actually blocked (longer than `min_wait`) and whose awaited action is known: the wait ends
-    when the last transfer arrives. Waits that did not block say only that the data was early;
+    """Median delay from a peer's action sending (when it finishes, or a full backward's first
+    half does) to the data being here, over the waits that actually blocked (longer than
+    `min_wait`) and whose awaited action is known: the wait ends when the last transfer arrives. Waits that did not block say only that the data was early;
     they are not attributable. Returns (delay, samples); (0, 0) when none is attributable."""
     deps = dependencies(sched)
     samples = []
     for st in steps:
-        for a, (ws, we) in st.waits.items():
-            if we - ws < min_wait:
+        for a, w in st.waits.items():
+            if w.busy < min_wait:
                 continue
             r = sched.stage_rank[a.stage]
-            remote = [st.actions[d][1] for d in deps(a) if sched.stage_rank[d.stage] != r and d in st.actions]
+            remote = [
+                st.actions[d].sent for d in deps(a) if sched.stage_rank[d.stage] != r and d in st.actions
+            ]
             if remote:
-                samples.append(max(we - max(remote), 0.0))
+                samples.append(max(w.end - max(remote), 0.0))
     return (statistics.median(samples), len(samples)) if samples else (0.0, 0)
 
 
 def gaps(sched: Schedule, steps: list[Step]) -> list[float]:
-    """Per rank, the median time between consecutive actions that is not spent waiting for a peer."""
+    """Per rank, the median time between consecutive actions that is not spent waiting for a peer,
+    plus the time inside an action's span between its events (a full backward's send between
+    its two halves): the runtime's work that no event covers."""
     out = []
     for acts in sched.ranks:
         g = []
         for st in steps:
             for prev, a in zip(acts, acts[1:]):
-                idle = st.actions[a][0] - st.actions[prev][1]
+                idle = st.actions[a].start - st.actions[prev].end
                 if a in st.waits:
-                    ws, we = st.waits[a]
-                    idle -= we - ws
-                g.append(max(idle, 0.0))
+                    idle -= st.waits[a].busy
+                g.append(max(idle, 0.0) + st.actions[a].end - st.actions[a].start - st.actions[a].busy)
         out.append(statistics.median(g) if g else 0.0)
     return out
 
@@ -177,9 +210,7 @@ def gaps(sched: Schedule, steps: list[Step]) -> list[float]:
 def measured_bubbles(sched: Schedule, steps: list[Step]) -> list[float]:
     """Per rank, the median over steps of 1 - busy / step wall time."""
     return [
-        statistics.median(
-            1 - sum(st.actions[a][1] - st.actions[a][0] for a in acts) / st.wall for st in steps
-        )
+        statistics.median(1 - sum(st.actions[a].busy for a in acts) / st.wall for st in steps)
         for acts in sched.ranks
     ]
 

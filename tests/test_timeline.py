@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -150,11 +151,12 @@ WORKER = textwrap.dedent(
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    piped = fpipe.pipeline(f, microbatches=4, schedule=sys.argv[3])
-    fpipe.value_and_grad(piped)(*inputs())
-    tl = piped.timeline
-    with open(f"{sys.argv[1]}.events.rank{dist.get_rank()}.json", "w") as out:
-        json.dump({"origin": tl.origin, "events": tl.events}, out)
+    for schedule in sys.argv[3].split(","):
+        piped = fpipe.pipeline(f, microbatches=4, schedule=schedule)
+        fpipe.value_and_grad(piped)(*inputs())
+        tl = piped.timeline
+        with open(f"{sys.argv[1]}.{schedule}.events.rank{dist.get_rank()}.json", "w") as out:
+            json.dump({"origin": tl.origin, "events": tl.events}, out)
     dist.destroy_process_group()
     """
 )
@@ -162,7 +164,8 @@ WORKER = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    """One torchrun launch (2 ranks, zbv: 4 stages), FPIPE_TRACE set; the files it wrote."""
+    """One torchrun launch (2 ranks, 4 stages: interleaved-1f1b, then zbv), FPIPE_TRACE set (the
+    trace files hold zbv's step, the last); the files it wrote."""
     tmp = tmp_path_factory.mktemp("timeline2")
     script = tmp / "worker.py"
     script.write_text(WORKER)
@@ -170,7 +173,7 @@ def two_ranks(tmp_path_factory):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     here = os.path.dirname(os.path.abspath(__file__))
     proc = subprocess.run(
-        [*cmd, str(script), str(tmp / "run"), here, "zbv"],
+        [*cmd, str(script), str(tmp / "run"), here, "interleaved-1f1b,zbv"],
         env=env,
         capture_output=True,
         text=True,
@@ -183,7 +186,7 @@ def two_ranks(tmp_path_factory):
 def test_two_ranks_each_record_their_own_actions_and_waits(two_ranks):
     sched = build("zbv", pp=2, microbatches=4)
     for r in range(2):
-        got = json.loads((two_ranks / f"run.events.rank{r}.json").read_text())["events"]
+        got = json.loads((two_ranks / f"run.zbv.events.rank{r}.json").read_text())["events"]
         assert {rank for _, rank, *_ in got} == {r}
         actions = [name for name, _, _, _, kind in got if kind == "action"]
         assert actions == [str(a) for a in sched.ranks[r]]
@@ -195,13 +198,28 @@ def test_two_ranks_each_record_their_own_actions_and_waits(two_ranks):
                 assert got[i + 1][0] == name.removeprefix("wait ")
                 assert start <= end <= got[i + 1][2]
     # rank 1 holds stages 1 and 2: its first action needs rank 0's F0.0
-    assert json.loads((two_ranks / "run.events.rank1.json").read_text())["events"][0][0] == "wait F1.0"
+    assert json.loads((two_ranks / "run.zbv.events.rank1.json").read_text())["events"][0][0] == "wait F1.0"
 
 
 def test_two_ranks_write_one_trace_file_each(two_ranks):
     for r in range(2):
         trace = json.loads((two_ranks / f"trace.rank{r}.json").read_text())
-        events = json.loads((two_ranks / f"run.events.rank{r}.json").read_text())["events"]
+        events = json.loads((two_ranks / f"run.zbv.events.rank{r}.json").read_text())["events"]
         assert [(e["name"], e["pid"], e["cat"]) for e in trace["traceEvents"] if e["ph"] == "X"] == [
             (name, rank, kind) for name, rank, _, _, kind in events
         ]
+
+
+def test_two_ranks_a_backward_that_sends_logs_its_two_halves(two_ranks):
+    """A full B whose input gradient goes to the other rank runs as two halves around the send,
+    each an event (named by its action, perhaps with a suffix such as "/w"); other actions are one
+    event. Merging each action's consecutive events gives the rank's action list."""
+    sched = build("interleaved-1f1b", pp=2, microbatches=4)
+    for r in range(2):
+        got = json.loads((two_ranks / f"run.interleaved-1f1b.events.rank{r}.json").read_text())["events"]
+        names = [re.match(r"[A-Z]\d+\.\d+", name)[0] for name, _, _, _, kind in got if kind == "action"]
+        merged = [name for i, name in enumerate(names) if i == 0 or names[i - 1] != name]
+        assert merged == [str(a) for a in sched.ranks[r]]
+        for a in sched.ranks[r]:
+            sends = a.kind == "B" and a.stage > 0  # stage s - 1 is on the other rank
+            assert names.count(str(a)) == (2 if sends else 1), a

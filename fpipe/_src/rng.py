@@ -10,10 +10,17 @@ call (seed every rank alike with `torch.manual_seed`); the step counts the pipel
 Changing the number of microbatches changes the shapes each operation draws, so those numbers
 differ (as they would in any framework). The unsplit function under torch.func draws from the
 running generator, so its dropout masks differ from fpipe's: compare with dropout off.
+
+The (base seed, step, microbatch) the runner sets lives in a `contextvars.ContextVar`, not in
+module state: a thread (or an asyncio task) that runs another pipeline's step at the same time
+sets its own, and a thread that never set one draws from seed (0, 0, 0) rather than from
+another step's. tests/test_trust_claims.py checks the claims about masks across microbatches,
+operations, steps, stage counts, schedules and seeds.
 """
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 from typing import Any
 
@@ -21,7 +28,8 @@ import torch
 
 __all__ = ["is_random", "seeded", "set_step", "set_microbatch"]
 
-_state = {"base": 0, "step": 0, "mb": 0}
+# (base seed, step, microbatch) of the step this context runs
+_state: contextvars.ContextVar[tuple[int, int, int]] = contextvars.ContextVar("fpipe_rng", default=(0, 0, 0))
 
 
 def is_random(target: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> bool:
@@ -36,15 +44,17 @@ def is_random(target: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | 
 
 
 def set_step(base: int, step: int) -> None:
-    _state["base"], _state["step"] = base, step
+    _state.set((base, step, _state.get()[2]))
 
 
 def set_microbatch(mb: int) -> None:
-    _state["mb"] = mb
+    base, step, _ = _state.get()
+    _state.set((base, step, mb))
 
 
 def _seed(index: int) -> int:
-    key = f"{_state['base']}:{_state['step']}:{_state['mb']}:{index}".encode()
+    base, step, mb = _state.get()
+    key = f"{base}:{step}:{mb}:{index}".encode()
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & ((1 << 63) - 1)
 
 

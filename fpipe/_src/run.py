@@ -24,7 +24,8 @@ from .split import Place, Staged
 aten = torch.ops.aten
 
 __all__ = [
-    "LocalRunner", "Timeline", "accumulating", "action_place", "compiled", "execute", "outputs_by_program", "release", "run_program",
+    "LocalRunner", "Timeline", "accumulating", "action_place", "compiled", "execute", "live_bytes", "outputs_by_program",
+    "release", "run_program",
 ]  # fmt: skip
 
 
@@ -256,6 +257,34 @@ def release(prog: Any, env: dict[str, Any], rem: dict[str, int]) -> None:
             env.pop(n, None)
 
 
+def _storage(t: torch.Tensor) -> tuple[int, int]:
+    """(identity, bytes) of the memory `t` holds: its storage, shared by its views; a tensor under
+    a torch.func transform counts as its own elements."""
+    if torch._C._functorch.is_functorch_wrapped_tensor(t) or t.is_meta:
+        return id(t), t.numel() * t.element_size()
+    s = t.untyped_storage()
+    return s.data_ptr(), s.nbytes()
+
+
+def _input_storages(glob: dict[str, torch.Tensor], data: Sequence[dict[str, torch.Tensor]]) -> list[int]:
+    return [_storage(t)[0] for t in [*glob.values(), *(v for d in data for v in d.values())]]
+
+
+def live_bytes(envs: Iterable[dict[str, Any]], skip: Iterable[int] = ()) -> int:
+    """Bytes of the tensors held in `envs`, each storage counted once, except the storages in
+    `skip` (the step's inputs: the caller's memory, not the runner's)."""
+    seen = set(skip)
+    total = 0
+    for env in envs:
+        for v in env.values():
+            if isinstance(v, torch.Tensor):
+                key, size = _storage(v)
+                if key not in seen:
+                    seen.add(key)
+                    total += size
+    return total
+
+
 def action_place(a: Action) -> Place:
     return (a.kind, a.stage)
 
@@ -270,6 +299,10 @@ class LocalRunner:
         self.timeline = Timeline()
         self.refcount = {name: len(places) for name, places in staged.consumers.items()}
         self._out_index = outputs_by_program(staged, lambda place: True)
+        # Set `record_memory` to have each step record, after every action, the bytes of the
+        # values the runner holds for the microbatches (`live_bytes`) in `memory`: (action, bytes).
+        self.record_memory = False
+        self.memory: list[tuple[str, int]] = []
 
     def rank_of(self, place: Place) -> int:
         return self.schedule.stage_rank[place[1]]
@@ -293,6 +326,8 @@ class LocalRunner:
         envs = [dict(d) for d in data]
         left = [dict(self.refcount) for _ in data]
         programs = self.staged.programs
+        self.memory = []
+        inputs = _input_storages(glob, data) if self.record_memory else []
         for a in self.order:
             prog = programs.get(action_place(a))
             if prog is None:
@@ -300,6 +335,8 @@ class LocalRunner:
             rank = self.schedule.stage_rank[a.stage]
             run_program(prog, a, rank, envs[a.mb], glob, self.timeline, self._out_index, results)
             release(prog, envs[a.mb], left[a.mb])
+            if self.record_memory:
+                self.memory.append((str(a), live_bytes(envs, inputs)))
         for m, row in enumerate(results.per_mb):  # outputs that are inputs (f returns an argument)
             for i, name in enumerate(self.staged.out_names):
                 if row[i] is None and name and i not in summed:

@@ -27,9 +27,10 @@ import torch.distributed as dist
 from dist_worker import MLP
 
 import fpipe
+from fpipe._src import comm, run_dist
 from fpipe._src.run_dist import EMULATE_NCCL_ORDER
 
-TIMEOUT_S = 20.0  # a deadlocked plan fails after this, per wait
+TIMEOUT_S = 20.0  # a deadlocked plan fails after this, per wait (--timeout)
 BATCH = 12
 
 
@@ -53,7 +54,7 @@ def one_step(case: dict[str, Any], p: int, m: int, emulate: bool) -> dict[str, A
         return (fn(params, x) - y).pow(2).mean()
 
     ref_grads, ref_loss = torch.func.grad_and_value(loss)(params, x, y)
-    piped = fpipe.pipeline(loss, microbatches=m, schedule=sched, timeout=TIMEOUT_S)
+    piped = fpipe.pipeline(loss, microbatches=m, schedule=sched, timeout=case.get("timeout", TIMEOUT_S))
     t0 = time.perf_counter()
     value, grads = fpipe.value_and_grad(piped)(params, x, y)
     out: dict[str, Any] = {"seconds": time.perf_counter() - t0}
@@ -72,12 +73,51 @@ def run_case(case: dict[str, Any], p: int, m: int) -> dict[str, Any]:
     return rec
 
 
+def old_order_plan(sched: Any, sends: Any, reads: Any) -> comm.CommPlan:
+    """The order fpipe used before the plan: before running action i, the receives of action
+    i + 1 (one batch per peer); after it, its sends (one batch per bundle). For `--old-order`:
+    the tier must catch it (test_nccl_order)."""
+    plan = comm.comm_plan(sched, sends, reads)
+    incoming = {(t.dst, t.src, t.index): t for gs in plan.groups for g in gs for t in g.recvs}
+    out: list[tuple[comm.CommGroup, ...]] = []
+    for r, acts in enumerate(sched.ranks):
+        posted: dict[int, int] = {}
+        groups: list[comm.CommGroup] = []
+        for j, a in enumerate(acts):
+            for nxt in acts[: j + 2] if j == 0 else acts[j + 1 : j + 2]:  # before a runs
+                for src, idx in plan.need[nxt].items():
+                    new = tuple(incoming[r, src, k] for k in range(posted.get(src, 0), idx + 1))
+                    posted[src] = max(posted.get(src, 0), idx + 1)
+                    if new:
+                        groups.append(comm.CommGroup(r, len(groups), acts[j - 1] if j else None, (), new))
+            for t in plan.sends_of(a):  # after a
+                groups.append(comm.CommGroup(r, len(groups), a, (t,), ()))
+        out.append(tuple(groups))
+    return comm.CommPlan(tuple(out), plan.need)
+
+
+def barrier_first(run: Any) -> Any:
+    """`DistRunner.run` behind a barrier: every rank has traced and compiled (seconds, more on a
+    loaded machine) before the first transfer, so a short timeout only times communication."""
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        dist.barrier()
+        return run(*args, **kwargs)
+
+    return wrapped
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--cases", required=True)
     ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--old-order", action="store_true", help="issue transfers in fpipe's old order")
     args = ap.parse_args()
+    run_dist.DistRunner.run = barrier_first(run_dist.DistRunner.run)  # type: ignore[method-assign]
+    if args.old_order:
+        run_dist.comm_plan = old_order_plan  # type: ignore[assignment]
+        run_dist.validate_comm = lambda sched, plan: None  # what the tier must catch by running
     torch.set_default_dtype(torch.float64)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -141,9 +141,12 @@ def _rank_groups(
     return tuple(groups)
 
 
-def chain_plan(sched: Schedule, deps: Callable[[Action], list[Action]]) -> CommPlan:
+def chain_plan(
+    sched: Schedule, deps: Callable[[Action], list[Action]], build: Callable[..., CommPlan] | None = None
+) -> CommPlan:
     """The plan `sched` implies for a standard stage chain: each dependency `deps(a)` on another
-    rank is one bundle, sent by the action depended on to `a`'s rank."""
+    rank is one bundle, sent by the action depended on to `a`'s rank. `build` (default
+    `comm_plan`) orders the transfers."""
     readers: dict[Action, list[int]] = defaultdict(list)
     for r, acts in enumerate(sched.ranks):
         for a in acts:
@@ -158,7 +161,7 @@ def chain_plan(sched: Schedule, deps: Callable[[Action], list[Action]]) -> CommP
     def reads(a: Action, r: int) -> list[tuple[int, Action]]:
         return [(sched.stage_rank[d.stage], d) for d in deps(a) if sched.stage_rank[d.stage] != r]
 
-    return comm_plan(sched, sends, reads)
+    return (build or comm_plan)(sched, sends, reads)
 
 
 # -- replay under in-order streams ------------------------------------------------------------

@@ -64,9 +64,12 @@ class DistRunner:
         self.actions = schedule.ranks[self.rank]
         self.plan: CommPlan = comm_plan(schedule, self._sends_of, self._reads_of)
         validate_comm(schedule, self.plan)  # every rank checks every rank's plan: all raise alike
-        self.groups: dict[Action | None, CommGroup] = {g.after: g for g in self.plan.groups[self.rank]}
+        groups: dict[Action | None, list[CommGroup]] = defaultdict(list)
+        for g in self.plan.groups[self.rank]:  # in the plan's order
+            groups[g.after].append(g)
+        self.groups = dict(groups)
         self.need = self.plan.need
-        self.incoming = {(t.src, t.index): t for g in self.groups.values() for t in g.recvs}
+        self.incoming = {(t.src, t.index): t for g in self.plan.groups[self.rank] for t in g.recvs}
         self.local_refs = self._local_refcounts()
         self.reaper = send_reaper(pg, timeout)
         self.timeline = Timeline()
@@ -104,8 +107,7 @@ class DistRunner:
         parts: dict[int, tuple[Program, Program]] = {}
         for a in self.actions:
             place = action_place(a)
-            group = self.groups.get(a)
-            if a.kind != "B" or a.stage in parts or group is None or not group.sends:
+            if a.kind != "B" or a.stage in parts or not any(g.sends for g in self.groups.get(a, [])):
                 continue
             pair = backward_parts(self.staged, place)
             if pair is None:
@@ -207,15 +209,15 @@ class _State:
         self._per_op = True
 
     def issue(self, after: Action | None) -> None:
-        """Issue the group planned after action `after` (None: before the first action) as one
-        batch; on gloo also post the next group's receives."""
-        group = self.r.groups.get(after)
+        """Issue the groups planned after action `after` (None: before the first action), each as
+        one batch; on gloo also post the next action's groups' receives."""
+        groups = self.r.groups.get(after, [])
         start = time.perf_counter()
-        if group is not None:
+        for group in groups:
             self._issue(group, after)
         if self.early:
             self._post_next(after)
-        if group is not None and group.sends and after is not None:
+        if any(g.sends for g in groups):
             self.r.timeline.add(f"send {after}", self.r.rank, start, time.perf_counter(), "send")
 
     def _post_next(self, after: Action | None) -> None:
@@ -224,9 +226,10 @@ class _State:
         while a is not None and a not in self.r.groups:
             a = self.next_of.get(a)
         if a is not None:
-            recvs = [t for t in self.r.groups[a].recvs if (t.src, t.index) not in self.recv_works]
-            if recvs:
-                self._batch([], recvs)
+            for g in self.r.groups[a]:
+                recvs = [t for t in g.recvs if (t.src, t.index) not in self.recv_works]
+                if recvs:
+                    self._batch([], recvs)
 
     def _issue(self, group: CommGroup, after: Action | None) -> None:
         recvs = [t for t in group.recvs if (t.src, t.index) not in self.recv_works]

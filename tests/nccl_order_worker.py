@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import threading
 import time
 import traceback
 from typing import Any
@@ -63,7 +64,27 @@ def one_step(case: dict[str, Any], p: int, m: int, emulate: bool) -> dict[str, A
     runner = next(c for key, c in piped._cache.items() if key[1] is not None).runner
     out["b_split"] = sorted(runner.b_parts)
     out["events"] = piped.timeline.events
+    if case.get("signatures"):
+        out.update(second_signature(piped, loss, params, torch.cat([x, x]), torch.cat([y, y])))
     return out
+
+
+def reaper_threads() -> int:
+    return sum(t.name == "fpipe-send-reaper" for t in threading.enumerate())
+
+
+def second_signature(piped: Any, loss: Any, params: Any, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+    """A second input signature (twice the batch): another runner, the same send reaper thread."""
+    before = reaper_threads()
+    ref_grads, _ = torch.func.grad_and_value(loss)(params, x, y)
+    _, grads = fpipe.value_and_grad(piped)(params, x, y)
+    runners = [c.runner for key, c in piped._cache.items() if key[1] is not None]
+    return {
+        "grad_err_2": max((v - ref_grads[k]).abs().max().item() for k, v in grads.items()),
+        "runners": len(runners),
+        "reapers": len({id(r.reaper) for r in runners}),
+        "reaper_threads_added": reaper_threads() - before,
+    }
 
 
 def run_case(case: dict[str, Any], p: int, m: int) -> dict[str, Any]:

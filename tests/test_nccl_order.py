@@ -71,6 +71,7 @@ def random_interleaving(base: Schedule, seed: int) -> Schedule:
 def cases(p: int) -> list[dict[str, Any]]:
     m = MICROBATCHES[p]
     out = [{"id": n, "schedule": n, "plain": n in ("gpipe", "1f1b")} for n in fpipe.schedules.names()]
+    out[[c["id"] for c in out].index("1f1b")]["signatures"] = 2
     for i, name in enumerate(RANDOM_BASES[p]):
         sched = random_schedule(build(name, pp=p, microbatches=m), seed=100 * p + i)
         out.append({"id": f"random-{name}", "text": str(sched)})
@@ -250,6 +251,16 @@ def test_full_backward_sends_input_gradients_before_its_weight_gradient_half(emu
     for mode in ("plain", "emulated"):
         n_split = [_split_backward_order(rank, rec[mode]) for rank, rec in enumerate(recs)]
         assert n_split == [0] + [MICROBATCHES[p]] * (p - 1), mode
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_one_send_reaper_thread_per_process_group(emulated, p):
+    """A second input signature compiles a second runner; it shares the first one's send reaper
+    (a thread) instead of starting another."""
+    for rank, rec in enumerate(_case(emulated, p, "1f1b")):
+        step = rec["emulated"]
+        assert step["grad_err_2"] <= TOL, rank
+        assert (step["runners"], step["reapers"], step["reaper_threads_added"]) == (2, 1, 0), rank
 
 
 def test_old_order_times_out_under_emulation(tmp_path):

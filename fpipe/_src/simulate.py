@@ -10,7 +10,10 @@ the standard ones (`dependencies`):
 - `W(s, m)` needs `I(s, m)`.
 
 `validate` replays with blocking waits and no clock, and rejects a schedule that would lose work
-or hang. `simulate` replays with costs and reports when each action runs.
+or hang -- also on NCCL, whose streams run each rank's sends and receives in issue order: the
+communication the schedule implies for a chain of stages is replayed under that rule too
+(`comm.py`, NOTE [in-order communication streams]). `simulate` replays with costs and reports
+when each action runs.
 """
 
 from __future__ import annotations

@@ -2,10 +2,11 @@
 
 A *transfer* is one bundle (every value one action sends to one peer) on one channel (an ordered
 pair of ranks); a channel's transfers are received in the sender's order, since p2p messages
-match by order. Each rank issues its transfers in *groups*, in a fixed order: after each action
-(after the input-gradient half of a full backward that runs split) one group, that action's sends
-together with the receives of the transfers produced, in one global order of all ranks' actions,
-before this rank's next action; and one group of receives before the first action.
+match by order. Each rank issues its transfers in *groups*, in a fixed order: one group after
+each action (after the input-gradient half of a full backward that runs split) with that
+action's sends and the receives whose data is sent, in a unit-cost replay of all ranks, before
+this rank's next action ends; and one group of receives before the first action. Sends and
+receives of one step in one group is what torch.distributed.pipelining does too.
 
 # NOTE [in-order communication streams]
 NCCL runs each group on the rank's communication stream in issue order, and an operation only
@@ -91,11 +92,12 @@ def comm_plan(sched: Schedule, sends: Sends, reads: Reads) -> CommPlan:
     """The plan for `sched` given, per action `a` on rank r, `sends(a, r)`: (peer, value names)
     per bundle it sends, and `reads(a, r)`: (peer, producing action) per bundle it receives.
 
-    Every transfer gets the position of its producing action in one global order of the actions
-    (`execution_order`: keeps each rank's order and every read), and each rank issues its
-    operations in that order: after action a_i, a_i's sends with the receives of transfers
-    produced between a_i and a_{i+1}. Then the earliest unfinished transfer always has both
-    sides at the heads of their streams, so in-order streams never deadlock (module NOTE).
+    Every action gets an end time from a replay of the ranks with unit costs (F, I, W: 1; B: 2)
+    and every transfer the end time of the action that sends it; each rank issues its operations
+    in the order of those times: after action a_i, every operation timed from a_i's end to
+    a_{i+1}'s (a_i's sends first, then receives). All ranks order transfers by the same key, so
+    the earliest unfinished transfer always has both sides at the heads of their streams: in-order
+    streams never deadlock (module NOTE), and each receive is issued about when its data is sent.
 
     Raises:
         ValueError: the reads cannot all be met in the ranks' orders (the schedule deadlocks).
@@ -113,25 +115,39 @@ def comm_plan(sched: Schedule, sends: Sends, reads: Reads) -> CommPlan:
             need[a] = {}
             for src, producer in reads_of[a]:
                 need[a][src] = max(need[a].get(src, -1), where[src, r, producer].index)
-    order = execution_order(sched, lambda a: [p for _, p in reads_of.get(a, [])])
-    pos = {a: i for i, a in enumerate(order)}
-    transfers = sorted(where.values(), key=lambda t: (pos[t.action], t.dst))
-    groups = tuple(_rank_groups(r, acts, pos, transfers) for r, acts in enumerate(sched.ranks))
+    end = _end_times(sched, lambda a: [p for _, p in reads_of.get(a, [])])
+    transfers = sorted(where.values(), key=lambda t: (end[t.action], t.src, t.dst, t.index))
+    groups = tuple(_rank_groups(r, acts, end, transfers) for r, acts in enumerate(sched.ranks))
     return CommPlan(groups, need)
 
 
+_UNIT_COST = {"F": 1, "B": 2, "I": 1, "W": 1}
+
+
+def _end_times(sched: Schedule, deps: Callable[[Action], list[Action]]) -> dict[Action, int]:
+    """When each action ends if each rank runs its list in order, an action starting once its
+    rank is free and what it reads has ended (any order keeping those gives the same times)."""
+    free = [0] * sched.pp
+    end: dict[Action, int] = {}
+    rank = {a: r for r, acts in enumerate(sched.ranks) for a in acts}
+    for a in execution_order(sched, deps):
+        start = max([free[rank[a]], *(end[d] for d in deps(a))])
+        end[a] = free[rank[a]] = start + _UNIT_COST[a.kind]
+    return end
+
+
 def _rank_groups(
-    r: int, acts: Sequence[Action], pos: dict[Action, int], transfers: list[Transfer]
+    r: int, acts: Sequence[Action], end: dict[Action, int], transfers: list[Transfer]
 ) -> tuple[CommGroup, ...]:
-    """Rank r's groups: after each action (or before the first), the transfers of r in global
-    order up to the next action's position (comm_plan)."""
+    """Rank r's groups: after each action (or before the first), r's operations in `transfers`
+    (sorted by time) timed before the next action's end (comm_plan)."""
     mine = [t for t in transfers if r in (t.src, t.dst)]
     groups: list[CommGroup] = []
     k = 0
     for i in range(-1, len(acts)):
-        end = pos[acts[i + 1]] if i + 1 < len(acts) else len(pos)
+        until = end[acts[i + 1]] if i + 1 < len(acts) else None
         batch = []
-        while k < len(mine) and pos[mine[k].action] < end:
+        while k < len(mine) and (until is None or end[mine[k].action] < until):
             batch.append(mine[k])
             k += 1
         sends = tuple(t for t in batch if t.src == r)

@@ -95,6 +95,40 @@ def test_builtin_plans_complete_on_in_order_streams(name, p):
         )
 
 
+def _groups(name: str) -> list[list[str]]:
+    s = build(name, pp=2, microbatches=3)
+    return [[str(g) for g in gs] for gs in chain_plan(s, dependencies(s)).groups]
+
+
+def test_each_receive_is_issued_about_when_its_data_is_sent():
+    """GPipe's rank 1 receives one forward per step, not all of them before its first action (on
+    NCCL its first forward would wait for them all); 1F1B fuses a step's send with the next
+    action's receive, as torch.distributed.pipelining does."""
+    assert _groups("gpipe")[1] == [
+        "group 0 (after start: receive F0.0 from rank 0)",
+        "group 1 (after F1.0: receive F0.1 from rank 0)",
+        "group 2 (after F1.1: receive F0.2 from rank 0)",
+        "group 3 (after B1.0: send B1.0 to rank 0)",
+        "group 4 (after B1.1: send B1.1 to rank 0)",
+        "group 5 (after B1.2: send B1.2 to rank 0)",
+    ]
+    assert _groups("1f1b") == [
+        [
+            "group 0 (after F0.0: send F0.0 to rank 1)",
+            "group 1 (after F0.1: send F0.1 to rank 1, receive B1.0 from rank 1)",
+            "group 2 (after F0.2: send F0.2 to rank 1, receive B1.1 from rank 1)",
+            "group 3 (after B0.1: receive B1.2 from rank 1)",
+        ],
+        [
+            "group 0 (after start: receive F0.0 from rank 0)",
+            "group 1 (after F1.0: receive F0.1 from rank 0)",
+            "group 2 (after B1.0: send B1.0 to rank 0)",
+            "group 3 (after B1.1: send B1.1 to rank 0, receive F0.2 from rank 0)",
+            "group 4 (after B1.2: send B1.2 to rank 0)",
+        ],
+    ]
+
+
 @pytest.mark.parametrize("p", [2, 4])
 @pytest.mark.parametrize("name", fpipe.schedules.names())
 def test_the_old_order_deadlocks_on_in_order_streams(name, p):

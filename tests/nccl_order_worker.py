@@ -31,7 +31,7 @@ import fpipe
 from fpipe._src import comm, run_dist
 from fpipe._src.run_dist import EMULATE_NCCL_ORDER
 
-TIMEOUT_S = 20.0  # a deadlocked plan fails after this, per wait (--timeout)
+TIMEOUT_S = 20.0  # a deadlocked plan fails after this, per wait (a case may set "timeout")
 BATCH = 12
 
 

@@ -4,20 +4,28 @@ Communication is derived, not scheduled: a value produced by an action on rank A
 program on rank B travels in a *bundle* (every value that action sends to B). Each ordered pair
 of ranks is one channel, and B receives A's bundles in exactly the order A sends them -- taking
 early ones it does not need yet into its store -- so p2p messages always match (torch matches
-them by order, not by tag), whatever the schedule. Sends are non-blocking (`batch_isend_irecv`);
-receives for the next action are posted before the current one runs, so transfers overlap compute.
-Shapes and dtypes come from the traced program, identical on every rank: no per-step handshake.
+them by order, not by tag), whatever the schedule. Shapes and dtypes come from the traced
+program, identical on every rank: no per-step handshake.
+
+Every rank builds every rank's communication plan (`comm.comm_plan`, plain data, once per
+signature) and checks that it cannot deadlock on in-order streams (`simulate.validate_comm`)
+before any transfer. Each rank issues its groups of sends and receives in the plan's order, one
+`batch_isend_irecv` per group: NCCL runs them in that order, and the plan's order keeps it free
+of deadlock. On gloo, whose operations complete independently, the receives of the next group
+are posted one group early too, so transfers overlap compute; `FPIPE_EMULATE_NCCL_ORDER=1`
+instead issues each group only once the previous one completed (NCCL's order, for the tests).
 
 A full backward B whose outputs go to another rank runs as its two halves (`split.backward_parts`):
 the input-gradient part, then the send of its outputs, then the weight-gradient part. The schedule
 and the work are the same; the previous stage gets its gradient one weight-gradient pass sooner
-(1F1B's critical path runs through those sends).
+(1F1B's critical path runs through those sends). The timeline names the halves `B1.0` and
+`B1.0/w`, and each group that sends `send B1.0` (kind "send").
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
+import os
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -26,19 +34,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .comm import CommGroup, CommPlan, Transfer, comm_plan
 from .dist import PeerFailure, PPGroup, SendReaper, exit_hard_after_failure
 from .run import Results, Timeline, action_place, outputs_by_program, release, run_program
 from .schedule import Action, Schedule
+from .simulate import validate_comm
 from .split import Place, Program, Staged, backward_parts
 
-__all__ = ["DistRunner"]
+__all__ = ["DistRunner", "EMULATE_NCCL_ORDER"]
+
+EMULATE_NCCL_ORDER = "FPIPE_EMULATE_NCCL_ORDER"  # env var: "1" issues each group after the last completed
 
 
-@dataclasses.dataclass
-class _Bundle:
-    action: Action  # the producing action (on the sending rank)
-    peer: int  # pp rank of the other end
-    names: list[str]
+def send_reaper(pg: PPGroup, timeout: float) -> SendReaper:
+    """The process group's one send reaper (a thread), shared by its runners (one per signature)."""
+    reaper = getattr(pg, "_fpipe_send_reaper", None)
+    if reaper is None:
+        reaper = SendReaper(pg, timeout)
+        pg._fpipe_send_reaper = reaper  # type: ignore[attr-defined]
+    return reaper
 
 
 class DistRunner:
@@ -48,10 +62,16 @@ class DistRunner:
         self.staged, self.schedule, self.pg, self.timeout = staged, schedule, pg, timeout
         self.rank = pg.rank
         self.actions = schedule.ranks[self.rank]
-        self._plan_sends()
-        self._plan_recvs()
+        self.plan: CommPlan = comm_plan(schedule, self._sends_of, self._reads_of)
+        validate_comm(schedule, self.plan)  # every rank checks every rank's plan: all raise alike
+        groups: dict[Action | None, list[CommGroup]] = defaultdict(list)
+        for g in self.plan.groups[self.rank]:  # in the plan's order
+            groups[g.after].append(g)
+        self.groups = dict(groups)
+        self.need = self.plan.need
+        self.incoming = {(t.src, t.index): t for g in self.plan.groups[self.rank] for t in g.recvs}
         self.local_refs = self._local_refcounts()
-        self.reaper = SendReaper(pg, timeout)
+        self.reaper = send_reaper(pg, timeout)
         self.timeline = Timeline()
         self._out_index = outputs_by_program(staged, lambda place: self.rank_of(place) == self.rank)
         self.b_parts = self._plan_backward_parts()
@@ -60,47 +80,26 @@ class DistRunner:
         return self.schedule.stage_rank[place[1]]
 
     # -- planning (once per signature) --------------------------------------------------------
-    def _sends_of(self, a: Action, rank: int) -> dict[int, list[str]]:
+    def _sends_of(self, a: Action, rank: int) -> list[tuple[int, list[str]]]:
+        """(peer, names) per bundle action `a`, run on `rank`, sends."""
         prog = self.staged.programs.get(action_place(a))
         out: dict[int, list[str]] = defaultdict(list)
-        if prog is None:
-            return out
-        for name in prog.outputs:
+        for name in prog.outputs if prog else []:
             for c in self.staged.consumers.get(name, []):
                 peer = self.rank_of(c)
                 if peer != rank and name not in out[peer]:
                     out[peer].append(name)
+        return list(out.items())
+
+    def _reads_of(self, a: Action, rank: int) -> list[tuple[int, Action]]:
+        """(peer, producing action) per value action `a`, run on `rank`, receives."""
+        prog = self.staged.programs.get(action_place(a))
+        out = []
+        for name in prog.inputs if prog else []:
+            src = self.staged.producer.get(name)
+            if src is not None and self.rank_of(src) != rank:
+                out.append((self.rank_of(src), Action(src[0], src[1], a.mb)))
         return out
-
-    def _plan_sends(self) -> None:
-        self.sends: dict[Action, list[_Bundle]] = {
-            a: [_Bundle(a, peer, names) for peer, names in self._sends_of(a, self.rank).items()]
-            for a in self.actions
-        }
-
-    def _plan_recvs(self) -> None:
-        """For each channel peer -> me: bundles in the peer's send order; per action, how far to read."""
-        self.channels: dict[int, list[_Bundle]] = defaultdict(list)
-        for peer in range(self.schedule.pp):
-            if peer == self.rank:
-                continue
-            for a in self.schedule.ranks[peer]:
-                names = self._sends_of(a, peer).get(self.rank)
-                if names:
-                    self.channels[peer].append(_Bundle(a, peer, names))
-        where = {(b.peer, b.action): i for peer, bs in self.channels.items() for i, b in enumerate(bs)}
-        self.need: dict[Action, dict[int, int]] = {}
-        for a in self.actions:
-            need: dict[int, int] = {}
-            prog = self.staged.programs.get(action_place(a))
-            for name in prog.inputs if prog else []:
-                src = self.staged.producer.get(name)
-                if src is None or self.rank_of(src) == self.rank:
-                    continue
-                peer = self.rank_of(src)
-                idx = where[(peer, Action(src[0], src[1], a.mb))]
-                need[peer] = max(need.get(peer, -1), idx)
-            self.need[a] = need
 
     def _plan_backward_parts(self) -> dict[int, tuple[Program, Program]]:
         """Stages whose B actions here send to another rank and have weight-gradient work left
@@ -108,7 +107,7 @@ class DistRunner:
         parts: dict[int, tuple[Program, Program]] = {}
         for a in self.actions:
             place = action_place(a)
-            if a.kind != "B" or a.stage in parts or not self.sends.get(a):  # (no program: no sends)
+            if a.kind != "B" or a.stage in parts or not any(g.sends for g in self.groups.get(a, [])):
                 continue
             pair = backward_parts(self.staged, place)
             if pair is None:
@@ -136,13 +135,12 @@ class DistRunner:
         n_out = len(self.staged.out_names)
         results = Results(len(data), n_out, summed, glob.values())
         self.timeline = Timeline()
+        self.reaper.timeout = self.timeout  # the reaper is shared; the timeout is this pipeline's
         st = _State(self, data)
         try:
-            for i, a in enumerate(self.actions):
+            st.issue(None)
+            for a in self.actions:
                 st.current = a
-                st.post_recvs(a)
-                if i + 1 < len(self.actions):
-                    st.post_recvs(self.actions[i + 1])
                 start = time.perf_counter()
                 st.wait_recvs(a)
                 if self.need[a]:
@@ -166,21 +164,32 @@ class DistRunner:
     def _step(self, a: Action, st: _State, glob: dict[str, torch.Tensor], results: Results) -> None:
         prog = self.staged.programs.get(action_place(a))
         if prog is None:
+            st.issue(a)  # (no program, nothing to send; the group may hold receives)
             return
         env = st.envs[a.mb]
         parts = self.b_parts.get(a.stage) if a.kind == "B" else None
+        run = functools.partial(
+            run_program, a=a, rank=self.rank, env=env, glob=glob, timeline=self.timeline,
+            out_index=self._out_index, results=results,
+        )  # fmt: skip
         if parts is None:
-            run_program(prog, a, self.rank, env, glob, self.timeline, self._out_index, results)
-            st.send(a, env)
+            run(prog)
+            st.issue(a)
         else:
             i_part, w_part = parts
-            run_program(i_part, a, self.rank, env, glob, self.timeline, self._out_index, results)
-            st.send(a, env)
-            run_program(w_part, a, self.rank, env, glob, self.timeline, self._out_index, results)
+            run(i_part)
+            st.issue(a)
+            run(w_part)
+            self._relabel_last(f"{a}/w")
             for name in i_part.outputs:  # what I handed to W
                 if name not in prog.outputs:
                     env.pop(name, None)
         release(prog, env, st.left[a.mb])
+
+    def _relabel_last(self, name: str) -> None:
+        """Names the timeline's last event (the weight-gradient half of a split B) `name`."""
+        _, rank, start, end, kind = self.timeline.events[-1]
+        self.timeline.events[-1] = (name, rank, start, end, kind)
 
 
 class _State:
@@ -190,24 +199,77 @@ class _State:
         self.r = runner
         self.envs = [dict(d) for d in data]
         self.left = [dict(runner.local_refs) for _ in data]
-        self.posted = {peer: 0 for peer in runner.channels}  # bundles posted per channel
         self.recv_works: dict[tuple[int, int], tuple[list[Any], list[torch.Tensor]]] = {}
         self.current: Action | None = None
+        self.emulate = os.environ.get(EMULATE_NCCL_ORDER) == "1"
+        # gloo (not emulated): operations complete independently, so the next group's receives
+        # are posted a group early and transfers overlap compute; NCCL: exactly the plan's order
+        self.early = not self.emulate and runner.pg.device.type != "cuda"
+        self.next_of = dict(zip([None, *runner.actions], runner.actions))
+        self._per_op = True
 
-    def post_recvs(self, a: Action) -> None:
-        for peer, idx in self.r.need[a].items():
-            ops, keys = [], []
-            for k in range(self.posted[peer], idx + 1):
-                bundle = self.r.channels[peer][k]
-                bufs = [self._buffer(n) for n in bundle.names]
-                gpeer = self.r.pg.global_rank(peer)
-                ops += [dist.P2POp(dist.irecv, b, gpeer, self.r.pg.group) for b in bufs]
-                keys.append((k, bufs))
-            if ops:
-                works = dist.batch_isend_irecv(ops)
-                for k, bufs in keys:
-                    self.recv_works[(peer, k)] = (works, bufs)
-                self.posted[peer] = idx + 1
+    def issue(self, after: Action | None) -> None:
+        """Issue the groups planned after action `after` (None: before the first action), each as
+        one batch; on gloo also post the next action's groups' receives."""
+        groups = self.r.groups.get(after, [])
+        start = time.perf_counter()
+        for group in groups:
+            self._issue(group, after)
+        if self.early:
+            self._post_next(after)
+        if any(g.sends for g in groups):
+            self.r.timeline.add(f"send {after}", self.r.rank, start, time.perf_counter(), "send")
+
+    def _post_next(self, after: Action | None) -> None:
+        """Post the receives of the first group planned after a later action than `after`."""
+        a = self.next_of.get(after)
+        while a is not None and a not in self.r.groups:
+            a = self.next_of.get(a)
+        if a is not None:
+            for g in self.r.groups[a]:
+                recvs = [t for t in g.recvs if (t.src, t.index) not in self.recv_works]
+                if recvs:
+                    self._batch([], recvs)
+
+    def _issue(self, group: CommGroup, after: Action | None) -> None:
+        recvs = [t for t in group.recvs if (t.src, t.index) not in self.recv_works]
+        keep = [self.envs[t.action.mb][n].contiguous() for t in group.sends for n in t.names]
+        works = self._batch(group.sends, recvs, keep)
+        if self.emulate:  # NCCL's order: the next group starts once this one completed
+            self.r.pg.wait_all(works, self.r.timeout, functools.partial(self._describe, group), None)
+            for t in recvs:
+                self.recv_works[t.src, t.index] = ([], self.recv_works[t.src, t.index][1])
+        elif group.sends:
+            peers = sorted({t.dst for t in group.sends})
+            what = f"sending {after}'s outputs to rank(s) {peers}"
+            self.r.reaper.submit(works[: len(keep)] if self._per_op else works, keep, what, peers[0])
+
+    def _batch(
+        self,
+        sends: Sequence[Transfer],
+        recvs: Sequence[Transfer],
+        keep: Sequence[torch.Tensor] = (),
+    ) -> list[Any]:
+        """One batch_isend_irecv of `sends` (their tensors `keep`, in order) and `recvs`."""
+        group = self.r.pg.group
+        ops, k = [], 0
+        for t in sends:
+            gpeer = self.r.pg.global_rank(t.dst)
+            ops += [dist.P2POp(dist.isend, keep[k + j], gpeer, group) for j in range(len(t.names))]
+            k += len(t.names)
+        bufs_of = []
+        for t in recvs:
+            bufs = [self._buffer(n) for n in t.names]
+            bufs_of.append(bufs)
+            ops += [dist.P2POp(dist.irecv, b, self.r.pg.global_rank(t.src), group) for b in bufs]
+        works = dist.batch_isend_irecv(ops) if ops else []
+        self._per_op = len(works) == len(ops)  # gloo: one work per operation; NCCL: coalesced
+        k = len(keep)
+        for t, bufs in zip(recvs, bufs_of):
+            mine = works[k : k + len(bufs)] if self._per_op else works
+            self.recv_works[t.src, t.index] = (mine, bufs)
+            k += len(bufs)
+        return works
 
     def _buffer(self, name: str) -> torch.Tensor:
         shape, dtype = self.r.staged.meta[name]
@@ -224,11 +286,9 @@ class _State:
                 peer,
             )
             for key in keys:
-                bundle = self.r.channels[peer][key[1]]
+                t = self.r.incoming[key]
                 _, bufs = self.recv_works.pop(key)
-                self.envs[bundle.action.mb].update(
-                    (n, self._laid_out(n, b)) for n, b in zip(bundle.names, bufs)
-                )
+                self.envs[t.action.mb].update((n, self._laid_out(n, b)) for n, b in zip(t.names, bufs))
 
     def _laid_out(self, name: str, buf: torch.Tensor) -> torch.Tensor:
         """A received (contiguous) value in the layout it was traced with, if that differs."""
@@ -238,16 +298,11 @@ class _State:
         return torch.empty_strided(buf.shape, stride, dtype=buf.dtype, device=buf.device).copy_(buf)
 
     def _waiting(self, a: Action, peer: int, idx: int) -> str:
-        src = self.r.channels[peer][idx].action
+        src = self.r.incoming[peer, idx].action
         return (
             f"at action {a} (stage {a.stage}, microbatch {a.mb}) waiting for rank {peer}'s "
             f"action {src} (stage {src.stage}, microbatch {src.mb})"
         )
 
-    def send(self, a: Action, env: dict[str, torch.Tensor]) -> None:
-        for bundle in self.r.sends.get(a, []):
-            gpeer = self.r.pg.global_rank(bundle.peer)
-            keep = [env[n].contiguous() for n in bundle.names]
-            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, gpeer, self.r.pg.group) for t in keep])
-            what = f"sending {a}'s outputs (stage {a.stage}, microbatch {a.mb}) to rank {bundle.peer}"
-            self.r.reaper.submit(works, keep, what, bundle.peer)
+    def _describe(self, group: CommGroup) -> str:
+        return f"on rank {self.r.rank}'s communication {group} (emulated NCCL order)"

@@ -10,7 +10,10 @@ the standard ones (`dependencies`):
 - `W(s, m)` needs `I(s, m)`.
 
 `validate` replays with blocking waits and no clock, and rejects a schedule that would lose work
-or hang. `simulate` replays with costs and reports when each action runs.
+or hang -- also on NCCL, whose streams run each rank's sends and receives in issue order: the
+communication the schedule implies for a chain of stages is replayed under that rule too
+(`comm.py`, NOTE [in-order communication streams]). `simulate` replays with costs and reports
+when each action runs.
 """
 
 from __future__ import annotations
@@ -18,9 +21,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 
+from .comm import CommPlan, chain_plan, stream_deadlock
 from .schedule import Action, Schedule
 
-__all__ = ["Simulation", "dependencies", "simulate", "validate"]
+__all__ = ["Simulation", "dependencies", "simulate", "validate", "validate_comm"]
 
 Deps = Callable[[Action], list[Action]]
 
@@ -82,7 +86,9 @@ def validate(sched: Schedule) -> Schedule:
     Checks, in order: the placement (`stage_rank`), stage and microbatch indices, that each
     action runs on the rank holding its stage, duplicates, that no (stage, microbatch) mixes `B`
     with `I`/`W`, that nothing is missing, that no action comes before its dependency on the
-    same rank, and that the ranks, each blocking on its next action, all finish.
+    same rank, that the ranks, each blocking on its next action, all finish, and that the
+    communication this implies for a chain of stages (`comm.chain_plan`) completes on in-order
+    streams such as NCCL's (`comm.stream_deadlock`).
 
     Returns:
         `sched`, so that `validate(build(...))` chains.
@@ -102,14 +108,23 @@ def validate(sched: Schedule) -> Schedule:
         rank 0: B0.0 F0.0
     """
     for check in _CHECKS:
-        problem = check(sched)
-        if problem is not None:
-            head = (
-                f"validate(schedule {sched.name!r}, {sched.pp} rank(s), {sched.n_stages} stage(s), "
-                f"{sched.n_microbatches} microbatch(es))"
-            )
-            raise ValueError(f"{head}: {problem}\nschedule:\n{sched}")
+        _raise(sched, check(sched))
     return sched
+
+
+def validate_comm(sched: Schedule, plan: CommPlan) -> None:
+    """Reject `plan`, the communication a runner built for `sched` from the real dataflow, if it
+    deadlocks on in-order streams (`comm.stream_deadlock`); the same error as `validate`'s."""
+    _raise(sched, stream_deadlock(plan))
+
+
+def _raise(sched: Schedule, problem: str | None) -> None:
+    if problem is not None:
+        head = (
+            f"validate(schedule {sched.name!r}, {sched.pp} rank(s), {sched.n_stages} stage(s), "
+            f"{sched.n_microbatches} microbatch(es))"
+        )
+        raise ValueError(f"{head}: {problem}\nschedule:\n{sched}")
 
 
 def _check_placement(sched: Schedule) -> str | None:
@@ -266,6 +281,10 @@ def _cycle(waits: dict[int, tuple[Action, Action]], stage_rank: Sequence[int]) -
     return seen[seen.index(r) :]
 
 
+def _check_comm(sched: Schedule) -> str | None:
+    return stream_deadlock(chain_plan(sched, dependencies(sched)))
+
+
 _CHECKS: tuple[Callable[[Schedule], str | None], ...] = (
     _check_placement,
     _check_indices,
@@ -275,6 +294,7 @@ _CHECKS: tuple[Callable[[Schedule], str | None], ...] = (
     _check_missing,
     _check_local_order,
     _check_deadlock,
+    _check_comm,
 )
 
 

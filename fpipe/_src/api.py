@@ -9,9 +9,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import hashlib
 import inspect
 import os
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 
 from . import tree
+from .agree import check_same_program, digest, fingerprint, gather_digests, odd_ranks
 from .dist import DEFAULT_TIMEOUT, PeerFailure, PPGroup, pp_group
 from .marker import BOUNDARY
 from .measure import measure_costs
@@ -112,6 +113,7 @@ class Pipelined:
         self._cache: dict[tuple[Any, ...], _Compiled] = {}
         self._measured: dict[tuple[Any, ...], list[float]] = {}  # see _measured_costs
         self._steps = 0
+        self._busy = threading.Lock()  # one call at a time (see _guarded)
         functools.update_wrapper(self, f, updated=())
 
     @property
@@ -356,31 +358,38 @@ class Pipelined:
             # program is a function of its inputs, whatever transform later runs it.
             with temporarily_clear_interpreter_stack():
                 compiled = self._compile(inp, mbs[0], grad_of, has_aux)
+            if self.pg is not None:  # before any transfer: the ranks must agree on what to send
+                parts = fingerprint(compiled.staged, compiled.runner.schedule)
+                check_same_program(self._call_str(), self.pg, parts, self.timeout)
             self._cache[key] = compiled
         return inp, mbs, compiled
 
     def _check_same_signature(self, key: tuple[Any, ...], inp: _Inputs) -> None:
         """Every rank must run the same program: compare the input signatures (one all-gather of
-        a hash per call) so different shapes on two ranks fail loudly instead of corrupting."""
+        a hash per call) so different shapes on two ranks fail loudly instead of corrupting. The
+        pipeline's store namespace rides along: ranks that paired different pipelines (called
+        them first in different orders) would read each other's failure reports."""
         pg = self.pg
         assert pg is not None
-        digest = int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=7).digest(), "little")
-        mine = torch.tensor([digest], dtype=torch.int64, device=pg.device)
-        every = [torch.empty_like(mine) for _ in range(pg.size)]
-        work = dist.all_gather(every, mine, group=pg.group, async_op=True)
-        pg.wait_all([work], self.timeout, lambda: "comparing input signatures before the step")
-        groups: dict[int, list[int]] = {}
-        for r, d in enumerate(int(t.item()) for t in every):
-            groups.setdefault(d, []).append(r)
+        mine = [digest(repr(key)), digest(pg.namespace)]
+        every = gather_digests(pg, mine, self.timeout, "comparing input signatures before the step")
         pg.generation += 1  # every rank entered this call: older failure reports are stale
-        if len(groups) > 1:
-            ranks = sorted(groups.values(), key=len)
+        differ = odd_ranks([v[0] for v in every])
+        if differ is not None:
             raise ValueError(
-                f"{self._call_str()}: ranks {ranks[0]} were called with inputs whose shapes, dtypes "
-                f"or structure differ from ranks {[r for g in ranks[1:] for r in g]}; every pipeline "
+                f"{self._call_str()}: ranks {differ[0]} were called with inputs whose shapes, dtypes "
+                f"or structure differ from ranks {differ[1]}; every pipeline "
                 "rank must pass inputs of the same signature (a rank that does not use an input may "
                 "pass a meta tensor of the same shape). This rank's data shapes: "
                 f"{[tuple(t.shape) for t in inp.data_leaves]}."
+            )
+        differ = odd_ranks([v[1] for v in every])
+        if differ is not None:
+            raise ValueError(
+                f"{self._call_str()}: ranks {differ[0]} and ranks {differ[1]} made the first calls "
+                "of their pipelines in different orders, so this call pairs different pipelines "
+                f"(this rank's is {pg.namespace!r}); create and first call pipelines in the same "
+                "order on every rank."
             )
 
     def _execute(
@@ -554,7 +563,14 @@ class Pipelined:
     def _guarded(
         self, fn: Callable[..., Any], params: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *rest: Any
     ) -> Any:
-        """Run `fn`; in a process group, a failure here is reported so every rank stops."""
+        """Run `fn`, one call at a time; in a process group, a failure here is reported so
+        every rank stops."""
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError(
+                f"{self._call_str()}: called while another call of the same pipeline is running "
+                "(from another thread); a pipeline runs one call at a time (its ranks match "
+                "transfers by order). Call it from one thread, or make one pipeline per thread."
+            )
         try:
             return fn(params, args, kwargs, *rest)
         except (PeerFailure, TimeoutError):
@@ -564,6 +580,8 @@ class Pipelined:
             if pg is not None:
                 pg.report_failure(f"rank {pg.rank} failed: {type(err).__name__}: {err}")
             raise
+        finally:
+            self._busy.release()
 
     def _values(self, c: _Compiled, results: list[list[Any]]) -> list[torch.Tensor]:
         """Reduce each value output over microbatches; in a group, broadcast it from its rank."""

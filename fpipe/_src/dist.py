@@ -19,6 +19,7 @@ import atexit
 import dataclasses
 import datetime
 import functools
+import hashlib
 import os
 import queue
 import sys
@@ -33,8 +34,8 @@ import torch.distributed as dist
 __all__ = ["PPGroup", "pp_group", "PeerFailure", "DEFAULT_TIMEOUT"]
 
 DEFAULT_TIMEOUT = 300.0
-_FAILED_KEY = "fpipe/failed"
-_WAITS_KEY = "fpipe/waits"
+_SEQ: dict[str, int] = {}  # pipelines per process group (by its global ranks), in creation order
+_SEQ_LOCK = threading.Lock()
 _REPORT_GRACE_S = 2.0  # how long a rank that saw a peer vanish waits for that peer's own report
 _WATCH_LOCK = threading.Lock()
 
@@ -51,13 +52,20 @@ class PPGroup:
     device: torch.device
     store: Any
 
+    # this pipeline's store keys: "fpipe/<group>/<n>" for the n-th pipeline of a group (see
+    # `namespace_for`); failure reports and wait records of other pipelines are never read
+    namespace: str = "fpipe"
     generation: int = 0  # calls that every rank entered; failure reports are per generation
 
     def global_rank(self, pp_rank: int) -> int:
         return dist.get_global_rank(self.group, pp_rank) if self.group is not None else pp_rank
 
     def _failed_key(self) -> str:
-        return f"{_FAILED_KEY}/{self.generation}"
+        return f"{self.namespace}/failed/{self.generation}"
+
+    def waits_key(self, rank: int) -> str:
+        """Where `rank` records whom it waits for (`_WaitWatch`)."""
+        return f"{self.namespace}/waits/{rank}"
 
     def report_failure(self, message: str) -> None:
         """Tell the other ranks why this one is stopping (first report of this call wins)."""
@@ -84,23 +92,26 @@ class PPGroup:
         """Wait for works; a dead peer, a reported failure or `timeout` becomes an error.
 
         `peer` is the rank waited on; a long wait is recorded in the store (`_WaitWatch`) so a
-        rank that times out can follow who waits for whom to the rank that stopped.
+        rank that times out can follow who waits for whom to the rank that stopped. Gloo works
+        are waited on blocking, with the deadline; NCCL works are polled (`wait_polling`: their
+        `wait()` only orders the streams, it never times out or sees a peer's report), then
+        waited on to order this rank's stream after them.
         """
-        if self.device.type == "cuda":  # NCCL works are stream-ordered; the host does not block
-            for w in works:
-                w.wait()
-            return
         deadline = time.monotonic() + timeout
         watch = self._watch(timeout)
         watch.begin(peer)
-        for w in works:
-            left = max(deadline - time.monotonic(), 0.001)
-            try:
-                w.wait(datetime.timedelta(seconds=left))
-            except RuntimeError as err:
-                # the record of this wait stays: a neighbour timing out at the same moment
-                # follows it to the rank that stopped
-                self._raise_for(err, timeout, what(), peer)
+        try:
+            if self.device.type == "cuda":
+                wait_polling(works, deadline, self.failure)
+            for w in works:
+                if self.device.type == "cuda":
+                    w.wait()
+                else:
+                    w.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+        except RuntimeError as err:
+            # the record of this wait stays: a neighbour timing out at the same moment
+            # follows it to the rank that stopped
+            self._raise_for(err, timeout, what(), peer)
         watch.end()
 
     def _watch(self, timeout: float) -> _WaitWatch:
@@ -148,7 +159,7 @@ class PPGroup:
         while cur is not None and cur not in chain and self.store is not None:
             chain.append(cur)
             try:
-                key = f"{_WAITS_KEY}/{cur}"
+                key = self.waits_key(cur)
                 cur = int(self.store.get(key).decode()) if self.store.check([key]) else None
             except Exception:
                 break
@@ -157,6 +168,41 @@ class PPGroup:
 
 def _set_value(store: Any, key: str, value: str) -> None:
     store.set(key, value)
+
+
+class WaitTimedOut(RuntimeError):
+    """`wait_polling`'s deadline passed (worded like gloo's own timeout, which `_raise_for` reads)."""
+
+
+class PeerReported(RuntimeError):
+    """`wait_polling` found a failure report in the store while waiting."""
+
+
+_POLL_FIRST_S, _POLL_MAX_S, _STORE_EVERY_S = 50e-6, 1e-3, 0.1
+
+
+def wait_polling(works: list[Any], deadline: float, failure: Callable[[], str | None]) -> None:
+    """Poll `works` (anything with a non-blocking `is_completed()`) until all are done.
+
+    Raises `WaitTimedOut` at `deadline` (a `time.monotonic()` value) and `PeerReported` as soon
+    as `failure()` (read every 0.1 s: it asks the store) returns a report. Between polls it
+    sleeps, backing off from 50 us to 1 ms, so a long wait costs little CPU.
+    """
+    pending, pause = list(works), _POLL_FIRST_S
+    next_check = time.monotonic()
+    while pending:
+        pending = [w for w in pending if not w.is_completed()]
+        now = time.monotonic()
+        if not pending:
+            return
+        if now >= next_check:
+            if (msg := failure()) is not None:
+                raise PeerReported(msg)
+            next_check = now + _STORE_EVERY_S
+        if now >= deadline:
+            raise WaitTimedOut(f"timed out: {len(pending)} of {len(works)} transfers not completed")
+        time.sleep(min(pause, max(deadline - now, 0.0)))
+        pause = min(pause * 2, _POLL_MAX_S)
 
 
 class _WaitWatch:
@@ -203,7 +249,7 @@ class _WaitWatch:
     def _store(self, op: Callable[[Any, str], Any]) -> None:
         if self.pg.store is not None:
             try:
-                op(self.pg.store, f"{_WAITS_KEY}/{self.pg.rank}")
+                op(self.pg.store, self.pg.waits_key(self.pg.rank))
             except Exception:  # the store may be gone; the wait itself still times out
                 pass
 
@@ -244,20 +290,24 @@ class SendReaper:
             raise err
 
 
-_exit_registered = False
+_hook_installed = False
 
 
 def exit_hard_after_failure() -> None:
-    """Once a pipeline failed in this process, end it with status 1 at exit, skipping C++ static
-    destructors: gloo's threads, still blocked on a vanished peer, otherwise abort the process
-    ("terminate called without an active exception", status -6) after the error was printed."""
-    global _exit_registered
-    if not _exit_registered:
-        _exit_registered = True
-        atexit.register(_hard_exit)
+    """Once a pipeline failed in this process: should an exception then escape to the top level
+    (the failure, uncaught), end the process with status 1 right after Python printed it and
+    ran the atexit handlers, skipping only the interpreter's teardown, where a transport thread
+    still blocked on a vanished peer could hang or abort it. A script that catches the failure
+    and goes on is left alone: it exits when and how it chooses, its atexit handlers run."""
+    global _hook_installed
+    if not _hook_installed:
+        _hook_installed = True
+        sys.excepthook = functools.partial(_exit_after_uncaught, sys.excepthook)
 
 
-def _hard_exit() -> None:
+def _exit_after_uncaught(previous: Callable[..., Any], kind: Any, value: Any, tb: Any) -> None:
+    previous(kind, value, tb)  # the traceback, printed as usual
+    atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(1)
@@ -290,4 +340,16 @@ def pp_group(mesh: Any = None, timeout: float = DEFAULT_TIMEOUT) -> PPGroup | No
     backend = dist.get_backend(group)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     store = dist.distributed_c10d._get_default_store()
-    return PPGroup(group, dist.get_rank(group), size, device, store)
+    return PPGroup(group, dist.get_rank(group), size, device, store, namespace_for(group))
+
+
+def namespace_for(group: Any) -> str:
+    """Store keys of a new pipeline in `group`: "fpipe/<hash of the group's global ranks>/<n>",
+    n counting this process's pipelines in that group. Every rank of the group makes its
+    pipelines' first calls in the same order (their collectives match by order), so the n-th
+    pipeline has the same keys on every rank; dp replicas (other pp groups) never share them."""
+    ranks = ",".join(map(str, dist.get_process_group_ranks(group)))
+    gid = hashlib.blake2b(ranks.encode(), digest_size=6).hexdigest()
+    with _SEQ_LOCK:
+        n = _SEQ[gid] = _SEQ.get(gid, -1) + 1
+    return f"fpipe/{gid}/{n}"

@@ -37,16 +37,16 @@ def digest(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
 
 
-def _canon(x: Any) -> str:
-    """A text form of a node argument with nothing process-specific in it."""
+def _canon(x: Any, local: dict[fx.Node, int]) -> str:
+    """A text form of a node argument with nothing process-specific in it; a node is named by
+    its position in its program (global names shift with any node added elsewhere)."""
     if isinstance(x, fx.Node):
-        return f"%{x.name}"
+        return f"%{local[x]}"
     if isinstance(x, (list, tuple)):
-        return "(" + ",".join(_canon(v) for v in x) + ")"
+        return "(" + ",".join(_canon(v, local) for v in x) + ")"
     if isinstance(x, dict):
-        return (
-            "{" + ",".join(f"{k}:{_canon(v)}" for k, v in sorted(x.items(), key=lambda kv: str(kv[0]))) + "}"
-        )
+        items = sorted(x.items(), key=lambda kv: str(kv[0]))
+        return "{" + ",".join(f"{k}:{_canon(v, local)}" for k, v in items) + "}"
     if isinstance(x, torch.device):
         return f"device({x.type})"  # rank r may run on cuda:r
     if isinstance(x, torch.Tensor):
@@ -54,7 +54,7 @@ def _canon(x: Any) -> str:
     if x is None or isinstance(x, (bool, int, float, str, torch.dtype, torch.layout, torch.memory_format)):
         return repr(x)
     if isinstance(x, slice):
-        return f"slice({_canon(x.start)},{_canon(x.stop)},{_canon(x.step)})"
+        return f"slice({_canon(x.start, local)},{_canon(x.stop, local)},{_canon(x.step, local)})"
     text = repr(x)
     return type(x).__qualname__ if " at 0x" in text else text
 
@@ -76,10 +76,13 @@ def _val(v: Any) -> str:
 
 
 def _program_text(prog: Program) -> str:
-    lines = [f"in {prog.inputs}", f"out {prog.outputs}"]
+    """The program's operations in order; which values it reads and writes is the cuts' part."""
+    local = {n: i for i, n in enumerate(prog.gm.graph.nodes)}
+    lines = []
     for n in prog.gm.graph.nodes:
-        args = _canon(n.args) + _canon(n.kwargs)
-        lines.append(f"{n.name}={n.op}:{_target(n.target)}{args}->{_val(n.meta.get('val'))}")
+        target = _target(n.target) if n.op not in ("placeholder", "output") else ""
+        args = _canon(n.args, local) + _canon(n.kwargs, local)
+        lines.append(f"{n.op}:{target}{args}->{_val(n.meta.get('val'))}")
     return "\n".join(lines)
 
 
@@ -106,14 +109,14 @@ def part_name(key: str) -> str:
 
 
 def fingerprint(staged: Staged, schedule: Schedule) -> dict[str, int]:
-    """A digest of each part of what a rank staged, in comparison order: the schedule, the cuts
-    (which program makes and reads each value, value shapes), then every program by stage."""
-    parts = {
-        "the schedule": digest(f"{schedule}\nstage_rank {schedule.stage_rank}"),
-        "the cut into stages": digest(_cuts_text(staged)),
-    }
+    """A digest of each part of what a rank staged, in the order a difference is reported:
+    every program by stage, the cuts (which program makes and reads each value, value shapes),
+    the schedule. (A changed program usually changes the cuts' value names too: it comes first.)"""
+    parts = {}
     for place in sorted(staged.programs, key=lambda p: (p[1], _KIND_ORDER.index(p[0]))):
         parts[f"{place[0]}{place[1]}"] = digest(_program_text(staged.programs[place]))
+    parts["the cut into stages"] = digest(_cuts_text(staged))
+    parts["the schedule"] = digest(f"{schedule}\nstage_rank {schedule.stage_rank}")
     return parts
 
 
@@ -154,14 +157,13 @@ def check_same_program(call: str, pg: PPGroup, parts: dict[str, int], timeout: f
 
 
 def first_difference(pg: PPGroup, parts: dict[str, int]) -> str:
-    """Which part differs first between this rank and the others (an object all-gather: only
-    on the error path, where every rank is alive and waiting for it)."""
+    """Which parts differ between the ranks, first one first (an object all-gather: only on
+    the error path, where every rank is alive and waiting for it)."""
     every: list[Any] = [None] * pg.size
     dist.all_gather_object(every, parts, group=pg.group)
     keys = list(dict.fromkeys(k for p in every for k in p))
-    for k in keys:
-        differ = odd_ranks([p.get(k) for p in every])
-        if differ is not None:
-            missing = [r for r, p in enumerate(every) if k not in p]
-            return f"{part_name(k)} differs" + (f"; ranks {missing} have none" if missing else "")
-    return "the programs' overall digests differ"
+    differ = [part_name(k) for k in keys if odd_ranks([p.get(k) for p in every]) is not None]
+    if not differ:
+        return "the programs' overall digests differ"
+    also = f"; so do {', '.join(differ[1:4])}" + (", ..." if len(differ) > 4 else "") if differ[1:] else ""
+    return f"{differ[0]} differs{also}"

@@ -2,8 +2,8 @@
 rank writes `rank{R}.json` with one record per case.
 
 * alternate: two pipelines (different functions) in one process group, called alternately,
-  value_and_grad against `torch.func.grad_and_value` of the unsplit functions (fp64); their
-  store namespaces; a failure reported on one is not seen by the other.
+  value_and_grad against `torch.func.grad_and_value` of the unsplit functions (fp64).
+* isolation: their store namespaces; a failure reported on one is not seen by the other.
 * branch: `if dist.get_rank() == 1: h = h * 2` on stage 1 -> the error every rank raises.
 * constant: a rank-dependent Python constant on stage 0 -> the error every rank raises.
 * after: the first two pipelines called once more: the group is still usable after the errors.
@@ -70,16 +70,20 @@ def _max_errors(piped: fpipe.Pipelined, f: Callable[..., Any], seed: int) -> dic
 
 
 def _alternate(a: fpipe.Pipelined, b: fpipe.Pipelined) -> dict[str, Any]:
-    rec: dict[str, Any] = {"steps": []}
-    for step in range(3):
-        rec["steps"].append({"a": _max_errors(a, _mlp, step), "b": _max_errors(b, _other, 100 + step)})
+    steps = [{"a": _max_errors(a, _mlp, k), "b": _max_errors(b, _other, 100 + k)} for k in range(3)]
+    return {"steps": steps}
+
+
+def _isolation(a: fpipe.Pipelined, b: fpipe.Pipelined) -> dict[str, Any]:
+    """The two pipelines' store namespaces; a failure report of a (in the call both are at)
+    is not b's, and b's next call runs."""
     assert a.pg is not None and b.pg is not None
-    rec["namespaces"] = [a.pg.namespace, b.pg.namespace]
-    if dist.get_rank() == 1:  # a failure report of pipeline a, in the call both are at
+    rec: dict[str, Any] = {"namespaces": [a.pg.namespace, b.pg.namespace]}
+    if dist.get_rank() == 1:
         a.pg.report_failure("rank 1 failed: injected report on pipeline a")
     dist.barrier()
     rec["a_sees"], rec["b_sees"] = a.pg.failure(), b.pg.failure()
-    rec["b_after"] = _max_errors(b, _other, 200)  # b's next call is not stopped by a's report
+    rec["b_after"] = _max_errors(b, _other, 200)
     return rec
 
 
@@ -92,6 +96,14 @@ def _error_of(piped: fpipe.Pipelined, f: Callable[..., Any]) -> dict[str, Any]:
     return {"error_type": None}
 
 
+def _case(run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """A case's record, or the error it raised (so each case's test fails on its own)."""
+    try:
+        return run()
+    except Exception as err:
+        return {"error_type": type(err).__name__, "error": str(err)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -100,10 +112,11 @@ def main() -> None:
     a = fpipe.pipeline(_mlp, microbatches=MB, timeout=60)
     b = fpipe.pipeline(_other, microbatches=MB, timeout=60)
     record: dict[str, Any] = {"rank": int(os.environ["RANK"])}
-    record["alternate"] = _alternate(a, b)
+    record["alternate"] = _case(lambda: _alternate(a, b))
+    record["isolation"] = _case(lambda: _isolation(a, b))
     record["branch"] = _error_of(fpipe.pipeline(_branch, microbatches=MB, timeout=60), _branch)
     record["constant"] = _error_of(fpipe.pipeline(_constant, microbatches=MB, timeout=60), _constant)
-    record["after"] = {"a": _max_errors(a, _mlp, 300), "b": _max_errors(b, _other, 301)}
+    record["after"] = _case(lambda: {"a": _max_errors(a, _mlp, 300), "b": _max_errors(b, _other, 301)})
     with open(os.path.join(args.out, f"rank{record['rank']}.json"), "w") as f:
         json.dump(record, f)
 

@@ -371,6 +371,7 @@ class Pipelined:
         them first in different orders) would read each other's failure reports."""
         pg = self.pg
         assert pg is not None
+        pg.name_at_first_call()
         mine = [digest(repr(key)), digest(pg.namespace)]
         every = gather_digests(pg, mine, self.timeout, "comparing input signatures before the step")
         pg.generation += 1  # every rank entered this call: older failure reports are stale

@@ -10,7 +10,14 @@ raises; its process exits, its sockets close, and every peer blocked on it gets 
 reads the store and raises naming the failing rank (torchrun then ends the rest). A peer that is
 alive but stopped is caught by the deadline on every wait (`pipeline(timeout=...)`). Gloo p2p
 works never report completion until waited on, so waits are blocking with a timeout, and sends
-are waited on by a background thread (`SendReaper`), which also keeps their tensors alive.
+are waited on by a background thread (`SendReaper`), which also keeps their tensors alive. NCCL
+works are polled (`wait_polling`) against the same deadline while the store is read for reports
+(their `wait()` only orders streams: it would neither time out nor see a report).
+
+Store keys are per pipeline: "fpipe/<group>/<n>/failed/<call>" and ".../waits/<rank>", so two
+pipelines in one group, or dp replicas of one, never read each other's failures. A failure does
+not end the process: a script that catches it goes on and exits as it chooses; one that does not
+exits with status 1 right after the traceback and its atexit handlers (`exit_hard_after_failure`).
 """
 
 from __future__ import annotations
@@ -52,20 +59,25 @@ class PPGroup:
     device: torch.device
     store: Any
 
-    # this pipeline's store keys: "fpipe/<group>/<n>" for the n-th pipeline of a group (see
-    # `namespace_for`); failure reports and wait records of other pipelines are never read
-    namespace: str = "fpipe"
+    # this pipeline's store keys: "fpipe/<group>/<n>" for the n-th pipeline of a group to be
+    # called (`name_at_first_call`); failure reports and wait records of others are never read
+    namespace: str = ""
     generation: int = 0  # calls that every rank entered; failure reports are per generation
 
     def global_rank(self, pp_rank: int) -> int:
         return dist.get_global_rank(self.group, pp_rank) if self.group is not None else pp_rank
 
     def _failed_key(self) -> str:
-        return f"{self.namespace}/failed/{self.generation}"
+        return f"{self.namespace or 'fpipe'}/failed/{self.generation}"
 
     def waits_key(self, rank: int) -> str:
         """Where `rank` records whom it waits for (`_WaitWatch`)."""
-        return f"{self.namespace}/waits/{rank}"
+        return f"{self.namespace or 'fpipe'}/waits/{rank}"
+
+    def name_at_first_call(self) -> None:
+        """Give the pipeline its store namespace (`namespace_for`) before its first collective."""
+        if not self.namespace:
+            self.namespace = namespace_for(self.group)
 
     def report_failure(self, message: str) -> None:
         """Tell the other ranks why this one is stopping (first report of this call wins)."""
@@ -340,14 +352,15 @@ def pp_group(mesh: Any = None, timeout: float = DEFAULT_TIMEOUT) -> PPGroup | No
     backend = dist.get_backend(group)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     store = dist.distributed_c10d._get_default_store()
-    return PPGroup(group, dist.get_rank(group), size, device, store, namespace_for(group))
+    return PPGroup(group, dist.get_rank(group), size, device, store)
 
 
 def namespace_for(group: Any) -> str:
     """Store keys of a new pipeline in `group`: "fpipe/<hash of the group's global ranks>/<n>",
-    n counting this process's pipelines in that group. Every rank of the group makes its
-    pipelines' first calls in the same order (their collectives match by order), so the n-th
-    pipeline has the same keys on every rank; dp replicas (other pp groups) never share them."""
+    n counting the pipelines of that group this process has called. Every rank of the group
+    makes its pipelines' first calls in the same order (their collectives match by order), so
+    the n-th pipeline has the same keys on every rank (`Pipelined._check_same_signature` checks);
+    dp replicas (other pp groups) never share them."""
     ranks = ",".join(map(str, dist.get_process_group_ranks(group)))
     gid = hashlib.blake2b(ranks.encode(), digest_size=6).hexdigest()
     with _SEQ_LOCK:

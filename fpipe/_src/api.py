@@ -366,14 +366,13 @@ class Pipelined:
 
     def _check_same_signature(self, key: tuple[Any, ...], inp: _Inputs) -> None:
         """Every rank must run the same program: compare the input signatures (one all-gather of
-        a hash per call) so different shapes on two ranks fail loudly instead of corrupting. The
-        pipeline's store namespace rides along: ranks that paired different pipelines (called
-        them first in different orders) would read each other's failure reports."""
+        a hash per call) so different shapes on two ranks fail loudly instead of corrupting."""
         pg = self.pg
         assert pg is not None
         pg.name_at_first_call()
-        mine = [digest(repr(key)), digest(pg.namespace)]
-        every = gather_digests(pg, mine, self.timeout, "comparing input signatures before the step")
+        every = gather_digests(
+            pg, [digest(repr(key))], self.timeout, "comparing input signatures before the step"
+        )
         pg.generation += 1  # every rank entered this call: older failure reports are stale
         differ = odd_ranks([v[0] for v in every])
         if differ is not None:
@@ -383,14 +382,6 @@ class Pipelined:
                 "rank must pass inputs of the same signature (a rank that does not use an input may "
                 "pass a meta tensor of the same shape). This rank's data shapes: "
                 f"{[tuple(t.shape) for t in inp.data_leaves]}."
-            )
-        differ = odd_ranks([v[1] for v in every])
-        if differ is not None:
-            raise ValueError(
-                f"{self._call_str()}: ranks {differ[0]} and ranks {differ[1]} made the first calls "
-                "of their pipelines in different orders, so this call pairs different pipelines "
-                f"(this rank's is {pg.namespace!r}); create and first call pipelines in the same "
-                "order on every rank."
             )
 
     def _execute(
@@ -570,7 +561,7 @@ class Pipelined:
             raise RuntimeError(
                 f"{self._call_str()}: called while another call of the same pipeline is running "
                 "(from another thread); a pipeline runs one call at a time (its ranks match "
-                "transfers by order). Call it from one thread, or make one pipeline per thread."
+                "transfers by order). Call it from one thread at a time."
             )
         try:
             return fn(params, args, kwargs, *rest)

@@ -359,8 +359,8 @@ def namespace_for(group: Any) -> str:
     """Store keys of a new pipeline in `group`: "fpipe/<hash of the group's global ranks>/<n>",
     n counting the pipelines of that group this process has called. Every rank of the group
     makes its pipelines' first calls in the same order (their collectives match by order), so
-    the n-th pipeline has the same keys on every rank (`Pipelined._check_same_signature` checks);
-    dp replicas (other pp groups) never share them."""
+    the n-th pipeline has the same keys on every rank; dp replicas (other pp groups) never
+    share them."""
     ranks = ",".join(map(str, dist.get_process_group_ranks(group)))
     gid = hashlib.blake2b(ranks.encode(), digest_size=6).hexdigest()
     with _SEQ_LOCK:

@@ -77,3 +77,16 @@ def test_ranks_that_trace_different_programs_fail_alike_naming_the_ranks_and_pro
 @pytest.mark.parametrize("which", ["a", "b"])
 def test_the_group_is_usable_after_a_disagreement(ranks, which):
     _check([rec["after"][which] for rec in ranks], which)
+
+
+def test_a_rank_that_fails_compiling_stops_the_others_at_once(ranks):
+    """Rank 1 raises while tracing (and stays alive); rank 0 waits for it in the comparison of
+    the staged programs and must stop with rank 1's reason well before the 20 s timeout."""
+    failed, waiting = ranks[1]["compile_fails"], ranks[0]["compile_fails"]
+    assert failed["error_type"] == "RuntimeError" and "rank 1 cannot trace this function" in failed["error"]
+    assert waiting["error_type"] == "PeerFailure", waiting
+    prefix = (
+        "fpipe rank 0: stopping while comparing the staged programs before the first step: rank 1 failed: "
+    )
+    assert waiting["error"].startswith(prefix) and "rank 1 cannot trace this function" in waiting["error"]
+    assert waiting["seconds"] < 10, waiting

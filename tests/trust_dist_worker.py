@@ -7,6 +7,7 @@ rank writes `rank{R}.json` with one record per case.
 * branch: `if dist.get_rank() == 1: h = h * 2` on stage 1 -> the error every rank raises.
 * constant: a rank-dependent Python constant on stage 0 -> the error every rank raises.
 * after: the first two pipelines called once more: the group is still usable after the errors.
+* compile_fails: rank 1 raises while tracing and goes on; rank 0 learns why at once.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 import fpipe
 
 D, MB = 4, 2
+TIMEOUT_S = 20.0  # of the compile_fails case
 
 
 def _mlp(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -47,6 +50,12 @@ def _constant(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor)
     scale = 1.0 + 0.5 * int(os.environ["RANK"])  # e.g. read from a per-process setting
     h = fpipe.stage_boundary(torch.tanh(scale * x @ params["w0"]))
     return F.mse_loss(h @ params["w1"], y)
+
+
+def _fails_on_rank_1(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if dist.get_rank() == 1:
+        raise RuntimeError("rank 1 cannot trace this function")
+    return _mlp(params, x, y)
 
 
 def _inputs(seed: int) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
@@ -96,6 +105,21 @@ def _error_of(piped: fpipe.Pipelined, f: Callable[..., Any]) -> dict[str, Any]:
     return {"error_type": None}
 
 
+def _compile_fails(out: str) -> dict[str, Any]:
+    """Rank 1 fails while compiling, catches it and stays alive (until rank 0 is done, at most
+    40 s): rank 0, waiting for it in the comparison of the staged programs, must stop at once
+    with rank 1's reason, not after the timeout. Last: rank 0's all-gather stays unmatched."""
+    start = time.monotonic()
+    rec = _error_of(fpipe.pipeline(_fails_on_rank_1, microbatches=MB, timeout=TIMEOUT_S), _fails_on_rank_1)
+    rec["seconds"] = time.monotonic() - start
+    done = os.path.join(out, "rank0_done")
+    if dist.get_rank() == 0:
+        open(done, "w").close()
+    while not os.path.exists(done) and time.monotonic() - start < 40:
+        time.sleep(0.1)
+    return rec
+
+
 def _case(run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """A case's record, or the error it raised (so each case's test fails on its own)."""
     try:
@@ -117,6 +141,7 @@ def main() -> None:
     record["branch"] = _error_of(fpipe.pipeline(_branch, microbatches=MB, timeout=60), _branch)
     record["constant"] = _error_of(fpipe.pipeline(_constant, microbatches=MB, timeout=60), _constant)
     record["after"] = _case(lambda: {"a": _max_errors(a, _mlp, 300), "b": _max_errors(b, _other, 301)})
+    record["compile_fails"] = _compile_fails(args.out)
     with open(os.path.join(args.out, f"rank{record['rank']}.json"), "w") as f:
         json.dump(record, f)
 

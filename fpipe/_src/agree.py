@@ -125,7 +125,7 @@ def gather_digests(pg: PPGroup, values: list[int], timeout: float, what: str) ->
     mine = torch.tensor(values, dtype=torch.int64, device=pg.device)
     every = [torch.empty_like(mine) for _ in range(pg.size)]
     work = dist.all_gather(every, mine, group=pg.group, async_op=True)
-    pg.wait_all([work], timeout, lambda: what)
+    pg.wait_all([work], timeout, lambda: what, poll=True)  # a rank that failed compiling reports it
     return [t.tolist() for t in every]
 
 

@@ -347,6 +347,7 @@ class Pipelined:
         grad_of: tuple[int, ...] | None,
         has_aux: bool,
     ) -> tuple[_Inputs, list[list[torch.Tensor]], _Compiled]:
+        self._begin_call()
         inp = self._flatten(params, args, kwargs)
         mbs = self._split_data(inp)
         key = (inp.key(), grad_of, has_aux)
@@ -364,16 +365,22 @@ class Pipelined:
             self._cache[key] = compiled
         return inp, mbs, compiled
 
+    def _begin_call(self) -> None:
+        """In a group, before anything in this call can fail: name the pipeline's store keys
+        (first call), and start a new generation of failure reports -- a report written during
+        this call is read during this call, one from an earlier call (caught) is never read."""
+        if self.pg is not None:
+            self.pg.name_at_first_call()
+            self.pg.generation += 1
+
     def _check_same_signature(self, key: tuple[Any, ...], inp: _Inputs) -> None:
         """Every rank must run the same program: compare the input signatures (one all-gather of
         a hash per call) so different shapes on two ranks fail loudly instead of corrupting."""
         pg = self.pg
         assert pg is not None
-        pg.name_at_first_call()
         every = gather_digests(
             pg, [digest(repr(key))], self.timeout, "comparing input signatures before the step"
         )
-        pg.generation += 1  # every rank entered this call: older failure reports are stale
         differ = odd_ranks([v[0] for v in every])
         if differ is not None:
             raise ValueError(

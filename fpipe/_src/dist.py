@@ -62,7 +62,7 @@ class PPGroup:
     # this pipeline's store keys: "fpipe/<group>/<n>" for the n-th pipeline of a group to be
     # called (`name_at_first_call`); failure reports and wait records of others are never read
     namespace: str = ""
-    generation: int = 0  # calls that every rank entered; failure reports are per generation
+    generation: int = 0  # calls of the pipeline (equal on every rank); failure reports are per call
 
     def global_rank(self, pp_rank: int) -> int:
         return dist.get_global_rank(self.group, pp_rank) if self.group is not None else pp_rank
@@ -99,25 +99,32 @@ class PPGroup:
         return None
 
     def wait_all(
-        self, works: list[Any], timeout: float, what: Callable[[], str], peer: int | None = None
+        self,
+        works: list[Any],
+        timeout: float,
+        what: Callable[[], str],
+        peer: int | None = None,
+        *,
+        poll: bool | None = None,
     ) -> None:
         """Wait for works; a dead peer, a reported failure or `timeout` becomes an error.
 
         `peer` is the rank waited on; a long wait is recorded in the store (`_WaitWatch`) so a
-        rank that times out can follow who waits for whom to the rank that stopped. Gloo works
-        are waited on blocking, with the deadline; NCCL works are polled (`wait_polling`: their
-        `wait()` only orders the streams, it never times out or sees a peer's report), then
-        waited on to order this rank's stream after them.
+        rank that times out can follow who waits for whom to the rank that stopped. Gloo p2p
+        works are waited on blocking, with the deadline. NCCL works, and any work when `poll`
+        (gloo collectives complete by themselves), are polled (`wait_polling`), so a failure
+        another rank reports ends the wait at once; then waited on, which orders the streams.
         """
+        poll = self.device.type == "cuda" if poll is None else poll
         deadline = time.monotonic() + timeout
         watch = self._watch(timeout)
         watch.begin(peer)
         try:
-            if self.device.type == "cuda":
+            if poll:
                 wait_polling(works, deadline, self.failure)
             for w in works:
-                if self.device.type == "cuda":
-                    w.wait()
+                if poll:
+                    w.wait()  # completed: returns at once, or raises the work's error
                 else:
                     w.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
         except RuntimeError as err:

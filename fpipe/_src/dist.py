@@ -41,7 +41,7 @@ import torch.distributed as dist
 __all__ = ["PPGroup", "pp_group", "PeerFailure", "DEFAULT_TIMEOUT"]
 
 DEFAULT_TIMEOUT = 300.0
-_SEQ: dict[str, int] = {}  # pipelines per process group (by its global ranks), in creation order
+_SEQ: dict[str, int] = {}  # pipelines called so far per process group (by its global ranks)
 _SEQ_LOCK = threading.Lock()
 _REPORT_GRACE_S = 2.0  # how long a rank that saw a peer vanish waits for that peer's own report
 _WATCH_LOCK = threading.Lock()
@@ -204,11 +204,12 @@ def wait_polling(works: list[Any], deadline: float, failure: Callable[[], str | 
     """Poll `works` (anything with a non-blocking `is_completed()`) until all are done.
 
     Raises `WaitTimedOut` at `deadline` (a `time.monotonic()` value) and `PeerReported` as soon
-    as `failure()` (read every 0.1 s: it asks the store) returns a report. Between polls it
-    sleeps, backing off from 50 us to 1 ms, so a long wait costs little CPU.
+    as `failure()` returns a report (it asks the store: every 0.1 s, and not at all in a wait
+    shorter than that, the common case). Between polls it sleeps, backing off from 50 us to
+    1 ms, so a long wait costs little CPU.
     """
     pending, pause = list(works), _POLL_FIRST_S
-    next_check = time.monotonic()
+    next_check = time.monotonic() + _STORE_EVERY_S
     while pending:
         pending = [w for w in pending if not w.is_completed()]
         now = time.monotonic()

@@ -18,11 +18,24 @@ PARAMS = ["b", "w0", "w1"]  # both functions take all three (a does not read b: 
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict[str, Any]]:
+def launch(tmp_path_factory) -> tuple[Any, list[Any]]:
     out = tmp_path_factory.mktemp("trust")
     procs = run_torchrun([torchrun_cmd("trust_dist_worker.py", RANKS, "--out", str(out))], out, DEADLINE_S)
-    assert all(p.rc == 0 for p in procs), "the launch failed or hung\n" + report(procs)
+    return out, procs
+
+
+@pytest.fixture(scope="module")
+def ranks(launch) -> list[dict[str, Any]]:
+    out, procs = launch
+    missing = [r for r in range(RANKS) if not (out / f"rank{r}.json").exists()]
+    assert not missing, f"ranks {missing} wrote no record\n" + report(procs)
     return [read_json(out / f"rank{r}.json") for r in range(RANKS)]
+
+
+def test_the_launch_ends_normally(launch):
+    """Every case's failure was caught by the worker: the launch exits 0 (none is forced to 1)."""
+    _, procs = launch
+    assert all(p.rc == 0 for p in procs), "the launch failed or hung\n" + report(procs)
 
 
 def _check(results: list[dict[str, Any]], which: str) -> None:

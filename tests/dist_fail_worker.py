@@ -17,6 +17,7 @@ process group is initialised by fpipe from the environment (torchrun's, or the t
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import signal
@@ -81,6 +82,7 @@ def main() -> None:
     ap.add_argument("--call", type=int, default=3, help="at which forward microbatch of its stage")
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--timeout", type=float, default=300.0)
+    ap.add_argument("--catch", action="store_true", help="catch the failure, note it, exit normally")
     args = ap.parse_args()
     world = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
@@ -102,11 +104,20 @@ def main() -> None:
         record.update(ok=True)
     except BaseException as err:
         record.update(ok=False, error_type=type(err).__name__, error=str(err))
-        raise
+        if not args.catch:
+            raise
+        print(f"rank {rank} caught {type(err).__name__} and goes on", flush=True)
+        atexit.register(_note_exit, os.path.join(args.out, f"atexit{rank}.json"), rank)
     finally:
         record["time"] = time.time()
         with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
             json.dump(record, f)
+
+
+def _note_exit(path: str, rank: int) -> None:
+    """An atexit handler of the user's: proof that a caught failure lets the process end normally."""
+    with open(path, "w") as f:
+        json.dump({"rank": rank, "time": time.time()}, f)
 
 
 if __name__ == "__main__":

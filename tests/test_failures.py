@@ -64,9 +64,10 @@ class Run:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out = {name: tmp_path_factory.mktemp(name) for name in ("raise", "kill", "stop", "nodes")}
+    out = {name: tmp_path_factory.mktemp(name) for name in ("raise", "kill", "stop", "catch", "nodes")}
     faults = {
         "raise": ("--mode", "raise", "--rank", "1"),
+        "catch": ("--mode", "raise", "--rank", "1", "--catch"),
         "kill": ("--mode", "kill", "--rank", "2"),
         "stop": ("--mode", "stop", "--rank", "2", "--timeout", str(TIMEOUT_S)),
     }
@@ -204,7 +205,7 @@ def test_stop_ends_the_others_after_the_timeout(runs):
     assert run.stopped_alive, "the stopped rank should still exist (stopped) when the others are gone"
     rcs = [run.procs[r].rc for r in LIVE]
     print(f"(c) exit codes of ranks {LIVE}: {rcs}")
-    assert all(rc is not None and rc != 0 for rc in rcs), report(run.procs)
+    assert rcs == [1, 1, 1], report(run.procs)  # the uncaught error's status: no abort (-6)
     assert run.procs[2].rc == -9, "the stopped rank is SIGKILLed by the test's cleanup"
     times = run.exit_after_fault(LIVE)
     print(f"(c) SIGSTOP of rank 2, timeout={TIMEOUT_S} s: exit after the stop, per rank (s): {times}")
@@ -229,6 +230,38 @@ def test_stop_every_rank_blames_the_stopped_rank(runs):
     run = runs["stop"]
     blamed = {r: [m.group(2) for m in TIMED_OUT.finditer(run.error(r))] for r in LIVE}
     assert blamed == {r: ["2"] for r in LIVE}, {r: run.error(r) for r in LIVE}
+
+
+# -- (e) the raise of (a), caught by every rank's script, which then goes on --------------------------
+
+
+def test_caught_failure_lets_every_rank_exit_normally(runs):
+    """A script that catches the pipeline's failure decides how it ends: status 0 here, and its
+    own atexit handlers ran (no forced exit after a failure the user handled)."""
+    run = runs["catch"]
+    assert [p.rc for p in run.procs] == [0] * WORLD, report(run.procs)
+    assert all((run.out / f"atexit{r}.json").exists() for r in range(WORLD)), report(run.procs)
+    times = run.exit_after_fault(list(range(WORLD)))
+    print(f"(e) raise on rank 1, caught everywhere: exit after the fault, per rank (s): {times}")
+    assert max(times.values()) < BOUND_S, times
+
+
+def test_caught_failure_still_names_the_failing_rank(runs):
+    run = runs["catch"]
+    assert run.error(1) == f"RuntimeError: fpipe {ROOT_CAUSE}"
+    for r in (0, 2, 3):
+        assert run.error(r).startswith(f"PeerFailure: fpipe rank {r}: stopping while "), run.error(r)
+        assert run.error(r).endswith(ROOT_CAUSE), run.error(r)
+    for r, p in enumerate(run.procs):
+        assert f"rank {r} caught" in p.text(), report(run.procs)
+
+
+def test_no_process_aborts_at_exit(runs):
+    """Gloo threads left blocked on a vanished or stopped peer must not abort a process as it
+    ends ("terminate called without an active exception")."""
+    for name, run in runs.items():
+        for p in run.procs:
+            assert "terminate called" not in p.text(), f"{name}: {p.name}\n{p.text()[-3000:]}"
 
 
 # -- (d) the raise across two torchrun nodes on loopback ---------------------------------------------
@@ -282,7 +315,7 @@ def test_simultaneous_timeouts_still_blame_the_stopped_rank(monkeypatch):
     # rank 1 times out first; its wait (long enough to be recorded) was on rank 2
     with pytest.raises(TimeoutError, match=r"fpipe rank 1: timed out .*; rank 2 is not responding"):
         ranks[1].wait_all([_TimesOut(1.2)], 0.4, lambda: where[1], peer=2)
-    record = f"{fdist._WAITS_KEY}/1"
+    record = ranks[1].waits_key(1)
     assert store.check([record]) and store.get(record) == b"2", "rank 1's wait record must outlive its raise"
 
     # rank 0's timeout fires after rank 1's report: it repeats it

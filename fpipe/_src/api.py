@@ -9,11 +9,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import hashlib
 import inspect
 import os
-import warnings
 import re
+import threading
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 
 from . import tree
+from .agree import check_same_program, digest, fingerprint, gather_digests, odd_ranks
 from .dist import DEFAULT_TIMEOUT, PeerFailure, PPGroup, pp_group
 from .marker import BOUNDARY
 from .measure import measure_costs
@@ -158,6 +159,7 @@ class Pipelined:
         self._cache: dict[tuple[Any, ...], _Compiled] = {}
         self._measured: dict[tuple[Any, ...], list[float]] = {}  # see _measured_costs
         self._steps = 0
+        self._busy = threading.Lock()  # one call at a time (see _guarded)
         functools.update_wrapper(self, f, updated=())
 
     @property
@@ -428,6 +430,7 @@ class Pipelined:
         grad_of: tuple[int, ...] | None,
         has_aux: bool,
     ) -> tuple[_Inputs, list[list[torch.Tensor]], _Compiled]:
+        self._begin_call()
         inp = self._flatten(params, args, kwargs)
         mbs = self._split_data(inp)
         key = (inp.key(self._device(inp).type), grad_of, has_aux)
@@ -439,28 +442,33 @@ class Pipelined:
             # program is a function of its inputs, whatever transform later runs it.
             with temporarily_clear_interpreter_stack():
                 compiled = self._compile(inp, mbs[0], grad_of, has_aux)
+            if self.pg is not None:  # before any transfer: the ranks must agree on what to send
+                parts = fingerprint(compiled.staged, compiled.runner.schedule)
+                check_same_program(self._call_str(), self.pg, parts, self.timeout)
             self._cache[key] = compiled
         return inp, mbs, compiled
+
+    def _begin_call(self) -> None:
+        """In a group, before anything in this call can fail: name the pipeline's store keys
+        (first call), and start a new generation of failure reports -- a report written during
+        this call is read during this call, one from an earlier call (caught) is never read."""
+        if self.pg is not None:
+            self.pg.name_at_first_call()
+            self.pg.generation += 1
 
     def _check_same_signature(self, key: tuple[Any, ...], inp: _Inputs) -> None:
         """Every rank must run the same program: compare the input signatures (one all-gather of
         a hash per call) so different shapes on two ranks fail loudly instead of corrupting."""
         pg = self.pg
         assert pg is not None
-        digest = int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=7).digest(), "little")
-        mine = torch.tensor([digest], dtype=torch.int64, device=pg.device)
-        every = [torch.empty_like(mine) for _ in range(pg.size)]
-        work = dist.all_gather(every, mine, group=pg.group, async_op=True)
-        pg.wait_all([work], self.timeout, lambda: "comparing input signatures before the step")
-        groups: dict[int, list[int]] = {}
-        for r, d in enumerate(int(t.item()) for t in every):
-            groups.setdefault(d, []).append(r)
-        pg.generation += 1  # every rank entered this call: older failure reports are stale
-        if len(groups) > 1:
-            ranks = sorted(groups.values(), key=len)
+        every = gather_digests(
+            pg, [digest(repr(key))], self.timeout, "comparing input signatures before the step"
+        )
+        differ = odd_ranks([v[0] for v in every])
+        if differ is not None:
             raise ValueError(
-                f"{self._call_str()}: ranks {ranks[0]} were called with inputs whose shapes, dtypes "
-                f"or structure differ from ranks {[r for g in ranks[1:] for r in g]}; every pipeline "
+                f"{self._call_str()}: ranks {differ[0]} were called with inputs whose shapes, dtypes "
+                f"or structure differ from ranks {differ[1]}; every pipeline "
                 "rank must pass inputs of the same signature (a rank that does not use an input may "
                 "pass a meta tensor of the same shape). This rank's data shapes: "
                 f"{[tuple(t.shape) for t in inp.data_leaves]}."
@@ -637,7 +645,14 @@ class Pipelined:
     def _guarded(
         self, fn: Callable[..., Any], params: Any, args: tuple[Any, ...], kwargs: dict[str, Any], *rest: Any
     ) -> Any:
-        """Run `fn`; in a process group, a failure here is reported so every rank stops."""
+        """Run `fn`, one call at a time; in a process group, a failure here is reported so
+        every rank stops."""
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError(
+                f"{self._call_str()}: called while another call of the same pipeline is running "
+                "(from another thread); a pipeline runs one call at a time (its ranks match "
+                "transfers by order). Call it from one thread at a time."
+            )
         try:
             return fn(params, args, kwargs, *rest)
         except (PeerFailure, TimeoutError):
@@ -647,6 +662,8 @@ class Pipelined:
             if pg is not None:
                 pg.report_failure(f"rank {pg.rank} failed: {type(err).__name__}: {err}")
             raise
+        finally:
+            self._busy.release()
 
     def _values(self, c: _Compiled, results: list[list[Any]]) -> list[torch.Tensor]:
         """Reduce each value output over microbatches; in a group, broadcast it from its rank."""
@@ -711,6 +728,8 @@ def _cotangent_dtype(fwd: Forward) -> torch.dtype:
     """The loss's dtype, at least fp32: 1/M in bf16 is off by up to 0.4 %, a bias in every gradient."""
     loss = fwd.gm.graph.find_nodes(op="output")[0].args[0][0].meta["val"]  # type: ignore[index, union-attr]
     return torch.promote_types(loss.dtype, torch.float32)
+
+
 def _current_consts(call: str, c: _Compiled) -> list[torch.Tensor]:
     """The module buffers the programs read, as the module holds them now (a buffer reassigned
     since the trace, by `load_state_dict(..., assign=True)` or `module.buf = t`, is read anew);

@@ -10,7 +10,14 @@ raises; its process exits, its sockets close, and every peer blocked on it gets 
 reads the store and raises naming the failing rank (torchrun then ends the rest). A peer that is
 alive but stopped is caught by the deadline on every wait (`pipeline(timeout=...)`). Gloo p2p
 works never report completion until waited on, so waits are blocking with a timeout, and sends
-are waited on by a background thread (`SendReaper`), which also keeps their tensors alive.
+are waited on by a background thread (`SendReaper`), which also keeps their tensors alive. NCCL
+works are polled (`wait_polling`) against the same deadline while the store is read for reports
+(their `wait()` only orders streams: it would neither time out nor see a report).
+
+Store keys are per pipeline: "fpipe/<group>/<n>/failed/<call>" and ".../waits/<rank>", so two
+pipelines in one group, or dp replicas of one, never read each other's failures. A failure does
+not end the process: a script that catches it goes on and exits as it chooses; one that does not
+exits with status 1 right after the traceback and its atexit handlers (`exit_hard_after_failure`).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import atexit
 import dataclasses
 import datetime
 import functools
+import hashlib
 import os
 import queue
 import sys
@@ -33,8 +41,8 @@ import torch.distributed as dist
 __all__ = ["PPGroup", "pp_group", "PeerFailure", "DEFAULT_TIMEOUT"]
 
 DEFAULT_TIMEOUT = 300.0
-_FAILED_KEY = "fpipe/failed"
-_WAITS_KEY = "fpipe/waits"
+_SEQ: dict[str, int] = {}  # pipelines called so far per process group (by its global ranks)
+_SEQ_LOCK = threading.Lock()
 _REPORT_GRACE_S = 2.0  # how long a rank that saw a peer vanish waits for that peer's own report
 _WATCH_LOCK = threading.Lock()
 
@@ -51,13 +59,25 @@ class PPGroup:
     device: torch.device
     store: Any
 
-    generation: int = 0  # calls that every rank entered; failure reports are per generation
+    # this pipeline's store keys: "fpipe/<group>/<n>" for the n-th pipeline of a group to be
+    # called (`name_at_first_call`); failure reports and wait records of others are never read
+    namespace: str = ""
+    generation: int = 0  # calls of the pipeline (equal on every rank); failure reports are per call
 
     def global_rank(self, pp_rank: int) -> int:
         return dist.get_global_rank(self.group, pp_rank) if self.group is not None else pp_rank
 
     def _failed_key(self) -> str:
-        return f"{_FAILED_KEY}/{self.generation}"
+        return f"{self.namespace or 'fpipe'}/failed/{self.generation}"
+
+    def waits_key(self, rank: int) -> str:
+        """Where `rank` records whom it waits for (`_WaitWatch`)."""
+        return f"{self.namespace or 'fpipe'}/waits/{rank}"
+
+    def name_at_first_call(self) -> None:
+        """Give the pipeline its store namespace (`namespace_for`) before its first collective."""
+        if not self.namespace:
+            self.namespace = namespace_for(self.group)
 
     def report_failure(self, message: str) -> None:
         """Tell the other ranks why this one is stopping (first report of this call wins)."""
@@ -79,28 +99,38 @@ class PPGroup:
         return None
 
     def wait_all(
-        self, works: list[Any], timeout: float, what: Callable[[], str], peer: int | None = None
+        self,
+        works: list[Any],
+        timeout: float,
+        what: Callable[[], str],
+        peer: int | None = None,
+        *,
+        poll: bool | None = None,
     ) -> None:
         """Wait for works; a dead peer, a reported failure or `timeout` becomes an error.
 
         `peer` is the rank waited on; a long wait is recorded in the store (`_WaitWatch`) so a
-        rank that times out can follow who waits for whom to the rank that stopped.
+        rank that times out can follow who waits for whom to the rank that stopped. Gloo p2p
+        works are waited on blocking, with the deadline. NCCL works, and any work when `poll`
+        (gloo collectives complete by themselves), are polled (`wait_polling`), so a failure
+        another rank reports ends the wait at once; then waited on, which orders the streams.
         """
-        if self.device.type == "cuda":  # NCCL works are stream-ordered; the host does not block
-            for w in works:
-                w.wait()
-            return
+        poll = self.device.type == "cuda" if poll is None else poll
         deadline = time.monotonic() + timeout
         watch = self._watch(timeout)
         watch.begin(peer)
-        for w in works:
-            left = max(deadline - time.monotonic(), 0.001)
-            try:
-                w.wait(datetime.timedelta(seconds=left))
-            except RuntimeError as err:
-                # the record of this wait stays: a neighbour timing out at the same moment
-                # follows it to the rank that stopped
-                self._raise_for(err, timeout, what(), peer)
+        try:
+            if poll:
+                wait_polling(works, deadline, self.failure)
+            for w in works:
+                if poll:
+                    w.wait()  # completed: returns at once, or raises the work's error
+                else:
+                    w.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+        except RuntimeError as err:
+            # the record of this wait stays: a neighbour timing out at the same moment
+            # follows it to the rank that stopped
+            self._raise_for(err, timeout, what(), peer)
         watch.end()
 
     def _watch(self, timeout: float) -> _WaitWatch:
@@ -148,7 +178,7 @@ class PPGroup:
         while cur is not None and cur not in chain and self.store is not None:
             chain.append(cur)
             try:
-                key = f"{_WAITS_KEY}/{cur}"
+                key = self.waits_key(cur)
                 cur = int(self.store.get(key).decode()) if self.store.check([key]) else None
             except Exception:
                 break
@@ -157,6 +187,42 @@ class PPGroup:
 
 def _set_value(store: Any, key: str, value: str) -> None:
     store.set(key, value)
+
+
+class WaitTimedOut(RuntimeError):
+    """`wait_polling`'s deadline passed (worded like gloo's own timeout, which `_raise_for` reads)."""
+
+
+class PeerReported(RuntimeError):
+    """`wait_polling` found a failure report in the store while waiting."""
+
+
+_POLL_FIRST_S, _POLL_MAX_S, _STORE_EVERY_S = 50e-6, 1e-3, 0.1
+
+
+def wait_polling(works: list[Any], deadline: float, failure: Callable[[], str | None]) -> None:
+    """Poll `works` (anything with a non-blocking `is_completed()`) until all are done.
+
+    Raises `WaitTimedOut` at `deadline` (a `time.monotonic()` value) and `PeerReported` as soon
+    as `failure()` returns a report (it asks the store: every 0.1 s, and not at all in a wait
+    shorter than that, the common case). Between polls it sleeps, backing off from 50 us to
+    1 ms, so a long wait costs little CPU.
+    """
+    pending, pause = list(works), _POLL_FIRST_S
+    next_check = time.monotonic() + _STORE_EVERY_S
+    while pending:
+        pending = [w for w in pending if not w.is_completed()]
+        now = time.monotonic()
+        if not pending:
+            return
+        if now >= next_check:
+            if (msg := failure()) is not None:
+                raise PeerReported(msg)
+            next_check = now + _STORE_EVERY_S
+        if now >= deadline:
+            raise WaitTimedOut(f"timed out: {len(pending)} of {len(works)} transfers not completed")
+        time.sleep(min(pause, max(deadline - now, 0.0)))
+        pause = min(pause * 2, _POLL_MAX_S)
 
 
 class _WaitWatch:
@@ -203,7 +269,7 @@ class _WaitWatch:
     def _store(self, op: Callable[[Any, str], Any]) -> None:
         if self.pg.store is not None:
             try:
-                op(self.pg.store, f"{_WAITS_KEY}/{self.pg.rank}")
+                op(self.pg.store, self.pg.waits_key(self.pg.rank))
             except Exception:  # the store may be gone; the wait itself still times out
                 pass
 
@@ -244,20 +310,24 @@ class SendReaper:
             raise err
 
 
-_exit_registered = False
+_hook_installed = False
 
 
 def exit_hard_after_failure() -> None:
-    """Once a pipeline failed in this process, end it with status 1 at exit, skipping C++ static
-    destructors: gloo's threads, still blocked on a vanished peer, otherwise abort the process
-    ("terminate called without an active exception", status -6) after the error was printed."""
-    global _exit_registered
-    if not _exit_registered:
-        _exit_registered = True
-        atexit.register(_hard_exit)
+    """Once a pipeline failed in this process: should an exception then escape to the top level
+    (the failure, uncaught), end the process with status 1 right after Python printed it and
+    ran the atexit handlers, skipping only the interpreter's teardown, where a transport thread
+    still blocked on a vanished peer could hang or abort it. A script that catches the failure
+    and goes on is left alone: it exits when and how it chooses, its atexit handlers run."""
+    global _hook_installed
+    if not _hook_installed:
+        _hook_installed = True
+        sys.excepthook = functools.partial(_exit_after_uncaught, sys.excepthook)
 
 
-def _hard_exit() -> None:
+def _exit_after_uncaught(previous: Callable[..., Any], kind: Any, value: Any, tb: Any) -> None:
+    previous(kind, value, tb)  # the traceback, printed as usual
+    atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(1)
@@ -291,3 +361,16 @@ def pp_group(mesh: Any = None, timeout: float = DEFAULT_TIMEOUT) -> PPGroup | No
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     store = dist.distributed_c10d._get_default_store()
     return PPGroup(group, dist.get_rank(group), size, device, store)
+
+
+def namespace_for(group: Any) -> str:
+    """Store keys of a new pipeline in `group`: "fpipe/<hash of the group's global ranks>/<n>",
+    n counting the pipelines of that group this process has called. Every rank of the group
+    makes its pipelines' first calls in the same order (their collectives match by order), so
+    the n-th pipeline has the same keys on every rank; dp replicas (other pp groups) never
+    share them."""
+    ranks = ",".join(map(str, dist.get_process_group_ranks(group)))
+    gid = hashlib.blake2b(ranks.encode(), digest_size=6).hexdigest()
+    with _SEQ_LOCK:
+        n = _SEQ[gid] = _SEQ.get(gid, -1) + 1
+    return f"fpipe/{gid}/{n}"

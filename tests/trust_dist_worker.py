@@ -1,0 +1,150 @@
+"""Worker for `tests/test_trust_dist.py` (torchrun, 2 ranks, gloo): cases run in order, each
+rank writes `rank{R}.json` with one record per case.
+
+* alternate: two pipelines (different functions) in one process group, called alternately,
+  value_and_grad against `torch.func.grad_and_value` of the unsplit functions (fp64).
+* isolation: their store namespaces; a failure reported on one is not seen by the other.
+* branch: `if dist.get_rank() == 1: h = h * 2` on stage 1 -> the error every rank raises.
+* constant: a rank-dependent Python constant on stage 0 -> the error every rank raises.
+* after: the first two pipelines called once more: the group is still usable after the errors.
+* compile_fails: rank 1 raises while tracing and goes on; rank 0 learns why at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import fpipe
+
+D, MB = 4, 2
+TIMEOUT_S = 20.0  # of the compile_fails case
+
+
+def _mlp(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    h = fpipe.stage_boundary(torch.tanh(x @ params["w0"]))
+    return F.mse_loss(h @ params["w1"], y)
+
+
+def _other(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    h = fpipe.stage_boundary(torch.sigmoid(x @ params["w0"] + params["b"]))
+    return (h @ params["w1"] - y).abs().mean()
+
+
+def _branch(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    h = fpipe.stage_boundary(torch.tanh(x @ params["w0"]))
+    if dist.get_rank() == 1:
+        h = h * 2
+    return F.mse_loss(h @ params["w1"], y)
+
+
+def _constant(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    scale = 1.0 + 0.5 * int(os.environ["RANK"])  # e.g. read from a per-process setting
+    h = fpipe.stage_boundary(torch.tanh(scale * x @ params["w0"]))
+    return F.mse_loss(h @ params["w1"], y)
+
+
+def _fails_on_rank_1(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if dist.get_rank() == 1:
+        raise RuntimeError("rank 1 cannot trace this function")
+    return _mlp(params, x, y)
+
+
+def _inputs(seed: int) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    params = {k: torch.randn(D, D, generator=g, dtype=torch.float64) for k in ("w0", "w1")}
+    params["b"] = torch.randn(D, generator=g, dtype=torch.float64)
+    return (
+        params,
+        torch.randn(4 * MB, D, generator=g, dtype=torch.float64),
+        torch.randn(4 * MB, D, generator=g, dtype=torch.float64),
+    )
+
+
+def _max_errors(piped: fpipe.Pipelined, f: Callable[..., Any], seed: int) -> dict[str, Any]:
+    """This rank's result against the unsplit function's: max abs errors, gradient keys held."""
+    params, x, y = _inputs(seed)
+    loss, grads = fpipe.value_and_grad(piped)(params, x, y)
+    grads_ref, loss_ref = torch.func.grad_and_value(f)(params, x, y)
+    errs = {k: (g - grads_ref[k]).abs().max().item() for k, g in grads.items()}
+    return {"loss": abs(loss.item() - loss_ref.item()), "grads": errs, "keys": sorted(grads)}
+
+
+def _alternate(a: fpipe.Pipelined, b: fpipe.Pipelined) -> dict[str, Any]:
+    steps = [{"a": _max_errors(a, _mlp, k), "b": _max_errors(b, _other, 100 + k)} for k in range(3)]
+    return {"steps": steps}
+
+
+def _isolation(a: fpipe.Pipelined, b: fpipe.Pipelined) -> dict[str, Any]:
+    """The two pipelines' store namespaces; a failure report of a (in the call both are at)
+    is not b's, and b's next call runs."""
+    assert a.pg is not None and b.pg is not None
+    rec: dict[str, Any] = {"namespaces": [a.pg.namespace, b.pg.namespace]}
+    if dist.get_rank() == 1:
+        a.pg.report_failure("rank 1 failed: injected report on pipeline a")
+    dist.barrier()
+    rec["a_sees"], rec["b_sees"] = a.pg.failure(), b.pg.failure()
+    rec["b_after"] = _max_errors(b, _other, 200)
+    return rec
+
+
+def _error_of(piped: fpipe.Pipelined, f: Callable[..., Any]) -> dict[str, Any]:
+    params, x, y = _inputs(7)
+    try:
+        fpipe.value_and_grad(piped)(params, x, y)
+    except Exception as err:
+        return {"error_type": type(err).__name__, "error": str(err)}
+    return {"error_type": None}
+
+
+def _compile_fails(out: str) -> dict[str, Any]:
+    """Rank 1 fails while compiling, catches it and stays alive (until rank 0 is done, at most
+    40 s): rank 0, waiting for it in the comparison of the staged programs, must stop at once
+    with rank 1's reason, not after the timeout. Last: rank 0's all-gather stays unmatched."""
+    start = time.monotonic()
+    rec = _error_of(fpipe.pipeline(_fails_on_rank_1, microbatches=MB, timeout=TIMEOUT_S), _fails_on_rank_1)
+    rec["seconds"] = time.monotonic() - start
+    done = os.path.join(out, "rank0_done")
+    if dist.get_rank() == 0:
+        open(done, "w").close()
+    while not os.path.exists(done) and time.monotonic() - start < 40:
+        time.sleep(0.1)
+    return rec
+
+
+def _case(run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """A case's record, or the error it raised (so each case's test fails on its own)."""
+    try:
+        return run()
+    except Exception as err:
+        return {"error_type": type(err).__name__, "error": str(err)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    a = fpipe.pipeline(_mlp, microbatches=MB, timeout=60)
+    b = fpipe.pipeline(_other, microbatches=MB, timeout=60)
+    record: dict[str, Any] = {"rank": int(os.environ["RANK"])}
+    record["alternate"] = _case(lambda: _alternate(a, b))
+    record["isolation"] = _case(lambda: _isolation(a, b))
+    record["branch"] = _error_of(fpipe.pipeline(_branch, microbatches=MB, timeout=60), _branch)
+    record["constant"] = _error_of(fpipe.pipeline(_constant, microbatches=MB, timeout=60), _constant)
+    record["after"] = _case(lambda: {"a": _max_errors(a, _mlp, 300), "b": _max_errors(b, _other, 301)})
+    record["compile_fails"] = _compile_fails(args.out)
+    with open(os.path.join(args.out, f"rank{record['rank']}.json"), "w") as f:
+        json.dump(record, f)
+
+
+if __name__ == "__main__":
+    main()

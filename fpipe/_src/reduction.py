@@ -80,6 +80,14 @@ _LINEAR = {aten.add.Tensor, aten.sub.Tensor, aten.add.Scalar, aten.sub.Scalar, a
 _SCALE = {aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar}
 
 
+def _args(node: fx.Node) -> Any:
+    return node.args  # fx's Argument union is too wide to index without a cast at every use
+
+
+def _target(node: fx.Node) -> Any:
+    return node.target
+
+
 def _shape(node: Any) -> tuple[int, ...] | None:
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
     return tuple(val.shape) if isinstance(val, torch.Tensor) else None
@@ -130,7 +138,7 @@ class _Analysis:
         states = [self.of(a) for a in node.all_input_nodes]
         if all(s is None for s in states):
             return None
-        t, args = node.target, node.args
+        t, args = _target(node), _args(node)
         if t is operator.getitem:
             return self._getitem(node)
         if t in _SUMS:
@@ -144,7 +152,7 @@ class _Analysis:
         return self._structural(node, states)
 
     def _getitem(self, node: fx.Node) -> Any:
-        parent, i = node.args
+        parent, i = _args(node)
         if isinstance(parent, fx.Node) and parent.target in (BOUNDARY, BOUNDARY_BWD):
             return self.of(parent.args[0][i])  # type: ignore[index]
         s = self.of(parent)
@@ -160,39 +168,39 @@ class _Analysis:
                 shape = _shape(a) or ()
                 s = _Batch(s.dim + len(out) - len(shape), s.inner, s.size)
             moved.append(s)
-        return _combine(moved, node.target)
+        return _combine(moved, _target(node))
 
     def _scaled(self, node: fx.Node) -> Any:
-        red, other = self.of(node.args[0]), node.args[1]
+        red, other = self.of(_args(node)[0]), _args(node)[1]
         if self.of(other) is not None:
             return _UNKNOWN
-        if red.kind == "sum" and _divides_to_mean(node.target, other, red.counts):
+        if red.kind == "sum" and _divides_to_mean(_target(node), other, red.counts):
             return _Reduced("mean", divided=True)
         return _Reduced(red.kind, divided=red.divided)
 
     def _reduce(self, node: fx.Node, kind: str) -> Any:
-        src = node.args[0]
+        src = _args(node)[0]
         s, shape = self.of(src), _shape(src)
         if not isinstance(s, _Batch) or shape is None:
             return s if isinstance(s, _Reduced) or s in (None, _MIXED) else _UNKNOWN
         dims = _dims(node, len(shape))
         if s.dim not in dims:
-            keep = bool(node.kwargs.get("keepdim", node.args[2] if len(node.args) > 2 else False))
+            keep = bool(node.kwargs.get("keepdim", _args(node)[2] if len(_args(node)) > 2 else False))
             return s if keep else _Batch(s.dim - sum(d < s.dim for d in dims), s.inner, s.size)
         reduced = _prod([shape[d] for d in dims])
         return _Reduced(kind, frozenset({reduced, shape[s.dim], s.size}))
 
     def _loss(self, node: fx.Node) -> Any:
-        pos = _LOSS_REDUCTION_ARG[node.target]
-        how = node.args[pos] if len(node.args) > pos else node.kwargs.get("reduction", 1)
-        s = self.of(node.args[0])
+        pos = _LOSS_REDUCTION_ARG[_target(node)]
+        how = _args(node)[pos] if len(_args(node)) > pos else node.kwargs.get("reduction", 1)
+        s = self.of(_args(node)[0])
         if not isinstance(s, _Batch) or how not in (1, 2):
             return _UNKNOWN
-        shape = _shape(node.args[0]) or ()
+        shape = _shape(_args(node)[0]) or ()
         return _Reduced("mean" if how == 1 else "sum", frozenset({_prod(shape), shape[s.dim], s.size}))
 
     def _structural(self, node: fx.Node, states: list[Any]) -> Any:
-        t, args = node.target, node.args
+        t, args = _target(node), _args(node)
         if t is aten.embedding.default:  # the weight holds no batch; the indices' batch stays put
             return self.of(args[1]) if states[0] is None else _UNKNOWN
         if t is aten.index.Tensor and self.of(args[0]) is None and len(args[1]) == 1:  # type: ignore[arg-type]
@@ -214,9 +222,9 @@ class _Analysis:
 
 
 def _dims(node: fx.Node, ndim: int) -> list[int]:
-    if node.target in (aten.sum.default, aten.mean.default):
+    if _target(node) in (aten.sum.default, aten.mean.default):
         return list(range(ndim))
-    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    dims: Any = _args(node)[1] if len(_args(node)) > 1 else node.kwargs.get("dim")
     if dims is None or dims == []:
         return list(range(ndim))
     return sorted({d % ndim for d in (dims if isinstance(dims, (list, tuple)) else [dims])})
@@ -232,8 +240,8 @@ def _divides_to_mean(op: Any, other: Any, counts: frozenset[int]) -> bool:
 def _matmul(node: fx.Node, states: list[Any]) -> Any:
     """A product keeps a batch that lives in the rows of its first operand (and the leading dim
     of a batched product, when both operands hold the batch there alike)."""
-    operands = list(node.args)
-    if node.target is aten.addmm.default:
+    operands = list(_args(node))
+    if _target(node) is aten.addmm.default:
         if states[0] is not None:
             return _UNKNOWN
         states, operands = states[1:], operands[1:]
@@ -247,36 +255,36 @@ def _matmul(node: fx.Node, states: list[Any]) -> Any:
 
 
 def _move_permute(s: _Batch, node: fx.Node, ndim: int) -> Any:
-    order = [d % ndim for d in node.args[1]]  # type: ignore[union-attr]
+    order = [d % ndim for d in _args(node)[1]]  # type: ignore[union-attr]
     return _Batch(order.index(s.dim), s.inner, s.size)
 
 
 def _move_transpose(s: _Batch, node: fx.Node, ndim: int) -> Any:
-    a, b = (node.args[1] % ndim, node.args[2] % ndim) if len(node.args) > 2 else (0, 1)  # type: ignore[operator]
+    a, b = (_args(node)[1] % ndim, _args(node)[2] % ndim) if len(_args(node)) > 2 else (0, 1)  # type: ignore[operator]
     return _Batch({a: b, b: a}.get(s.dim, s.dim), s.inner, s.size)
 
 
 def _move_unsqueeze(s: _Batch, node: fx.Node, ndim: int) -> Any:
-    k = node.args[1] % (ndim + 1)  # type: ignore[operator]
+    k = _args(node)[1] % (ndim + 1)  # type: ignore[operator]
     return _Batch(s.dim + (k <= s.dim), s.inner, s.size)
 
 
 def _move_select(s: _Batch, node: fx.Node, ndim: int) -> Any:
-    k = node.args[1] % ndim  # type: ignore[operator]
+    k = _args(node)[1] % ndim  # type: ignore[operator]
     if k == s.dim:
         return _UNKNOWN
-    return _Batch(s.dim - (k < s.dim), s.inner, s.size) if node.target is aten.select.int else s
+    return _Batch(s.dim - (k < s.dim), s.inner, s.size) if _target(node) is aten.select.int else s
 
 
 def _move_last_dim(s: _Batch, node: fx.Node, ndim: int) -> Any:
     """Softmax-like ops over one dim, norms over the trailing dims: per-example if not the batch's."""
-    if node.target is aten.native_layer_norm.default:
-        return s if s.dim < ndim - len(node.args[1]) else _UNKNOWN  # type: ignore[arg-type]
-    return s if node.args[1] % ndim != s.dim else _UNKNOWN  # type: ignore[operator]
+    if _target(node) is aten.native_layer_norm.default:
+        return s if s.dim < ndim - len(_args(node)[1]) else _UNKNOWN  # type: ignore[arg-type]
+    return s if _args(node)[1] % ndim != s.dim else _UNKNOWN  # type: ignore[operator]
 
 
 def _move_expand(s: _Batch, node: fx.Node, ndim: int) -> Any:
-    return _Batch(s.dim + len(node.args[1]) - ndim, s.inner, s.size)  # type: ignore[arg-type]
+    return _Batch(s.dim + len(_args(node)[1]) - ndim, s.inner, s.size)  # type: ignore[arg-type]
 
 
 _RESHAPE = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}

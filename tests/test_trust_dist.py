@@ -103,3 +103,30 @@ def test_a_rank_that_fails_compiling_stops_the_others_at_once(ranks):
     )
     assert waiting["error"].startswith(prefix) and "rank 1 cannot trace this function" in waiting["error"]
     assert waiting["seconds"] < 10, waiting
+
+
+# -- dp replicas: a (dp=2, pp=2) mesh on 4 ranks ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mesh_ranks(tmp_path_factory) -> list[dict[str, Any]]:
+    out = tmp_path_factory.mktemp("trust_mesh")
+    procs = run_torchrun(
+        [torchrun_cmd("trust_dist_worker.py", 4, "--out", str(out), "--mesh")], out, DEADLINE_S
+    )
+    assert all(p.rc == 0 for p in procs), "the launch failed or hung\n" + report(procs)
+    return [read_json(out / f"rank{r}.json") for r in range(4)]
+
+
+@pytest.mark.parametrize("what", ["step", "after"])
+def test_dp_replicas_match_the_unsplit_function(mesh_ranks, what):
+    for dp in (0, 1):
+        _check([rec[what] for rec in mesh_ranks if rec["dp"] == dp], "a")
+
+
+def test_dp_replicas_keep_their_failure_records_apart(mesh_ranks):
+    sees = {rec["rank"]: rec["sees"] for rec in mesh_ranks}
+    report_0 = "rank 1 of replica 0 failed: injected report"
+    assert sees == {r: report_0 if mesh_ranks[r]["dp"] == 0 else None for r in range(4)}, sees
+    spaces = {dp: {rec["namespace"] for rec in mesh_ranks if rec["dp"] == dp} for dp in (0, 1)}
+    assert len(spaces[0]) == len(spaces[1]) == 1 and spaces[0] != spaces[1], spaces

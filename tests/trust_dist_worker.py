@@ -8,6 +8,9 @@ rank writes `rank{R}.json` with one record per case.
 * constant: a rank-dependent Python constant on stage 0 -> the error every rank raises.
 * after: the first two pipelines called once more: the group is still usable after the errors.
 * compile_fails: rank 1 raises while tracing and goes on; rank 0 learns why at once.
+
+With `--mesh` (4 ranks): a (dp=2, pp=2) DeviceMesh, one pipeline per dp replica: its results,
+its store namespace, and a failure report on replica 0 that replica 1 must not see.
 """
 
 from __future__ import annotations
@@ -128,11 +131,34 @@ def _case(run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         return {"error_type": type(err).__name__, "error": str(err)}
 
 
+def _mesh_cases() -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    dp = mesh.get_local_rank("dp")
+    piped = fpipe.pipeline(_mlp, microbatches=MB, mesh=mesh, timeout=60)
+    rec: dict[str, Any] = {"dp": dp, "step": _case(lambda: _max_errors(piped, _mlp, 10 + dp))}
+    assert piped.pg is not None
+    rec["namespace"] = getattr(piped.pg, "namespace", None)  # (None before issue 17)
+    if dp == 0 and piped.pg.rank == 1:  # in the call both replicas are at
+        piped.pg.report_failure("rank 1 of replica 0 failed: injected report")
+    dist.barrier()
+    rec["sees"] = piped.pg.failure()
+    rec["after"] = _case(lambda: _max_errors(piped, _mlp, 20 + dp))
+    return rec
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--mesh", action="store_true")
     args = ap.parse_args()
     torch.manual_seed(0)
+    if args.mesh:
+        record = {"rank": int(os.environ["RANK"]), **_mesh_cases()}
+        with open(os.path.join(args.out, f"rank{record['rank']}.json"), "w") as f:
+            json.dump(record, f)
+        return
     a = fpipe.pipeline(_mlp, microbatches=MB, timeout=60)
     b = fpipe.pipeline(_other, microbatches=MB, timeout=60)
     record: dict[str, Any] = {"rank": int(os.environ["RANK"])}

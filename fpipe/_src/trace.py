@@ -164,7 +164,10 @@ def _trace(
 
 
 def _functional(gm: fx.GraphModule, fakes: Sequence[torch.Tensor]) -> fx.GraphModule:
-    """`gm` re-traced without in-place operations (NOTE [functional graphs])."""
+    """`gm` re-traced without in-place operations (NOTE [functional graphs]); a graph with none
+    is returned as it is (the re-trace would change nothing, and costs a trace's time)."""
+    if not any(_is_in_place(n) for n in gm.graph.nodes):
+        return gm
     plain = [f.detach() for f in fakes]
     functional = torch.func.functionalize(gm, remove="mutations")
     out = make_fx(functional, tracing_mode="fake", _allow_non_fake_inputs=True)(*plain)
@@ -188,6 +191,11 @@ def _hoist_input_writes(gm: fx.GraphModule) -> None:
         if order[anchor] < order[node]:
             anchor.append(node)
     gm.recompile()
+
+
+def _is_in_place(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return bool(node.op == "call_function" and schema is not None and schema.is_mutable)
 
 
 def _drop_same_copies(gm: fx.GraphModule) -> None:

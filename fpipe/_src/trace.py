@@ -5,10 +5,14 @@ Two traces, both on fake tensors (no parameter or activation memory):
 1. `trace_forward` records `f` on one microbatch as a flat forward graph. Tensors the function
    captures (module buffers, masks) become explicit inputs (`consts`), so that in-place buffer
    updates (BatchNorm statistics) are mutations of inputs, which torch.func allows, and so that the
-   runtime hands the real tensors to whichever stage uses them.
+   runtime hands the real tensors to whichever stage uses them; `Forward.sources` says which
+   module buffer each one is, so the runtime reads the module's current tensor at every call.
 2. `trace_joint` replays that graph under `torch.func.grad_and_value` and records the joint
    forward + backward graph. The cotangent of the loss is an input (`ct`): every node that depends
    on it is backward work, which is how `split.py` tells the two apart.
+
+Both graphs leave here functional: no in-place operation but explicit writes into inputs
+(NOTE [functional graphs]).
 
 # NOTE [tracing is specialisation]
 As with `jax.jit`, Python control flow runs once at trace time. A branch on a tensor's *value*

@@ -120,10 +120,11 @@ _STATE: contextvars.ContextVar[_TraceState | None] = contextvars.ContextVar("fpi
 def note_module(module: torch.nn.Module) -> None:
     """Called by `Functionalized` while a trace runs: remember where each buffer lives (so the
     runtime reads the module's current tensor at every call, `Forward.sources`) and snapshot
-    scalar buffers to restore after the trace.
+    its real buffers to restore after the trace.
 
-    Fake tracing treats 0-dim CPU tensors as real values, so an in-place update of one (BatchNorm's
-    `num_batches_tracked += 1`) would really happen at trace time; the trace puts it back.
+    Fake tracing applies an in-place update of a real captured tensor to the tensor itself
+    (BatchNorm's `num_batches_tracked += 1`, a user's `self.buf.add_(1)`): it would really
+    happen at trace time, so the trace puts it back.
     """
     state = _STATE.get()
     if state is None:
@@ -131,7 +132,7 @@ def note_module(module: torch.nn.Module) -> None:
     with _disable_current_modes():  # a real copy, not a traced one
         for name, t in module.named_buffers():
             state.sources.setdefault(id(t), (module, name))
-            if t.dim() == 0 and t.device.type != "meta" and not isinstance(t, FakeTensor):
+            if t.device.type != "meta" and not isinstance(t, FakeTensor):
                 state.snapshots.append((t, t.detach().clone()))
 
 

@@ -121,6 +121,31 @@ def test_a_buffer_update_runs_on_its_modules_stage():
     assert writes == {("F", 1)}
 
 
+class _ReadThenUpdate(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 4, dtype=DT, generator=torch.Generator().manual_seed(5)))
+        self.register_buffer("buf", torch.ones(4, dtype=DT))
+
+    def forward(self, x):
+        h1 = fpipe.stage_boundary(torch.tanh(x @ self.w))
+        y = (h1 * self.buf).sum()  # stage 1 reads the buffer ...
+        self.buf.add_(1)  # ... then it is updated; stage 0's work follows in program order
+        h2 = fpipe.stage_boundary(torch.sin(x @ self.w))
+        return y + h2.sum()
+
+
+def test_a_buffer_write_never_runs_before_an_earlier_read():
+    """Neither the trace (on fake tensors) nor a stage placed before the reading one updates the
+    buffer: the step reads the old value and leaves the buffer updated once."""
+    module, eager = _ReadThenUpdate(), _ReadThenUpdate()
+    fn, params = fpipe.functionalize(module)
+    x = torch.randn(8, 4, dtype=DT)
+    out = fpipe.pipeline(fn, microbatches=1)(params, x)
+    assert_trees_close(out, eager(x).detach())
+    assert_trees_close(module.buf, eager.buf)
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_batchnorm_statistics_with_functional_graphs(schedule):
     """Running statistics are updated once per microbatch, in order, as eager training does."""

@@ -293,11 +293,22 @@ class _Placer:
         for node in reversed(free):
             places = sorted(set(self._consumer_places(node)), key=lambda p: _seq(p, self.n_stages))
             if not places:
-                self.place[node] = self._following_forward(node)
+                self.place[node] = self._write_place(node)
             elif len(places) == 1 or _is_mutating(node) or node in self.data_dep:
                 self.place[node] = places[0]
             else:
                 self.free_places[node] = places
+
+    def _write_place(self, node: fx.Node) -> Place:
+        """A mutation nobody reads (a write into an input, NOTE [functional graphs] in trace.py)
+        runs with the forward work that follows it, but never before a forward program that
+        reads the input's old value: that read comes first in the function, so it comes first
+        here."""
+        places = [self._following_forward(node)]
+        dst = node.args[0] if node.args else None
+        if isinstance(dst, fx.Node) and dst.op == "placeholder":
+            places += [p for u in dst.users if u is not node for p in self.places_of(u) if p[0] == "F"]
+        return max(places, key=lambda p: _seq(p, self.n_stages))
 
     def _following_forward(self, node: fx.Node) -> Place:
         for later in self.nodes[self.index[node] + 1 :]:

@@ -5,10 +5,14 @@ Two traces, both on fake tensors (no parameter or activation memory):
 1. `trace_forward` records `f` on one microbatch as a flat forward graph. Tensors the function
    captures (module buffers, masks) become explicit inputs (`consts`), so that in-place buffer
    updates (BatchNorm statistics) are mutations of inputs, which torch.func allows, and so that the
-   runtime hands the real tensors to whichever stage uses them.
+   runtime hands the real tensors to whichever stage uses them; `Forward.sources` says which
+   module buffer each one is, so the runtime reads the module's current tensor at every call.
 2. `trace_joint` replays that graph under `torch.func.grad_and_value` and records the joint
    forward + backward graph. The cotangent of the loss is an input (`ct`): every node that depends
    on it is backward work, which is how `split.py` tells the two apart.
+
+Both graphs leave here functional: no in-place operation but explicit writes into inputs
+(NOTE [functional graphs]).
 
 # NOTE [tracing is specialisation]
 As with `jax.jit`, Python control flow runs once at trace time. A branch on a tensor's *value*
@@ -116,10 +120,11 @@ _STATE: contextvars.ContextVar[_TraceState | None] = contextvars.ContextVar("fpi
 def note_module(module: torch.nn.Module) -> None:
     """Called by `Functionalized` while a trace runs: remember where each buffer lives (so the
     runtime reads the module's current tensor at every call, `Forward.sources`) and snapshot
-    scalar buffers to restore after the trace.
+    its real buffers to restore after the trace.
 
-    Fake tracing treats 0-dim CPU tensors as real values, so an in-place update of one (BatchNorm's
-    `num_batches_tracked += 1`) would really happen at trace time; the trace puts it back.
+    Fake tracing applies an in-place update of a real captured tensor to the tensor itself
+    (BatchNorm's `num_batches_tracked += 1`, a user's `self.buf.add_(1)`): it would really
+    happen at trace time, so the trace puts it back.
     """
     state = _STATE.get()
     if state is None:
@@ -127,7 +132,7 @@ def note_module(module: torch.nn.Module) -> None:
     with _disable_current_modes():  # a real copy, not a traced one
         for name, t in module.named_buffers():
             state.sources.setdefault(id(t), (module, name))
-            if t.dim() == 0 and t.device.type != "meta" and not isinstance(t, FakeTensor):
+            if t.device.type != "meta" and not isinstance(t, FakeTensor):
                 state.snapshots.append((t, t.detach().clone()))
 
 
@@ -164,7 +169,10 @@ def _trace(
 
 
 def _functional(gm: fx.GraphModule, fakes: Sequence[torch.Tensor]) -> fx.GraphModule:
-    """`gm` re-traced without in-place operations (NOTE [functional graphs])."""
+    """`gm` re-traced without in-place operations (NOTE [functional graphs]); a graph with none
+    is returned as it is (the re-trace would change nothing, and costs a trace's time)."""
+    if not any(_is_in_place(n) for n in gm.graph.nodes):
+        return gm
     plain = [f.detach() for f in fakes]
     functional = torch.func.functionalize(gm, remove="mutations")
     out = make_fx(functional, tracing_mode="fake", _allow_non_fake_inputs=True)(*plain)
@@ -188,6 +196,11 @@ def _hoist_input_writes(gm: fx.GraphModule) -> None:
         if order[anchor] < order[node]:
             anchor.append(node)
     gm.recompile()
+
+
+def _is_in_place(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return bool(node.op == "call_function" and schema is not None and schema.is_mutable)
 
 
 def _drop_same_copies(gm: fx.GraphModule) -> None:

@@ -241,7 +241,8 @@ class _State:
                 self.recv_works[t.src, t.index] = ([], self.recv_works[t.src, t.index][1])
         elif group.sends:
             peers = sorted({t.dst for t in group.sends})
-            what = f"sending {after}'s outputs to rank(s) {peers}"
+            to = f"rank {peers[0]}" if len(peers) == 1 else "ranks " + ", ".join(map(str, peers))
+            what = f"sending {after}'s outputs to {to}"
             self.r.reaper.submit(works[: len(keep)] if self._per_op else works, keep, what, peers[0])
 
     def _batch(

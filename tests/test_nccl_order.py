@@ -304,7 +304,7 @@ def test_old_order_times_out_under_emulation(tmp_path):
     start = time.monotonic()
     procs, recs = _launch(tmp_path, 2, old, "--old-order")
     assert time.monotonic() - start < DEADLINE_S / 2, "the emulated old order hung instead of timing out"
-    assert all(proc.rc != 0 for proc in procs), report(procs)
+    # the worker catches and records the failure, so it exits as it chooses (0): judge the records
     errors = [r["cases"]["1f1b"].get("error", "") for r in recs if r is not None]
     assert errors and all(not r["cases"]["1f1b"]["ok"] for r in recs if r is not None), report(procs)
     assert any("timed out after 5 s on rank" in e and "(emulated NCCL order)" in e for e in errors), errors

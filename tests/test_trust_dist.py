@@ -87,6 +87,21 @@ def test_ranks_that_trace_different_programs_fail_alike_naming_the_ranks_and_pro
     assert errors[0] == errors[1], "every rank says the same"
 
 
+def test_ranks_that_trace_different_functions_fail_before_averaging_measured_costs(ranks):
+    """partition="measure" all-reduces per-operation times before the cut: a rank with one more
+    operation would send a longer vector (gloo aborts, NCCL hangs). The traced functions are
+    compared first."""
+    errors = [rec["measured"] for rec in ranks]
+    expected = (
+        "pipeline(_measured, stages=2, microbatches=2): ranks [0] staged a different program from "
+        "ranks [1] for the same inputs (the traced function differs)"
+    )
+    for r, err in enumerate(errors):
+        assert err["error_type"] == "ValueError", (r, err)
+        assert err["error"].startswith(expected), (r, err)
+    assert errors[0] == errors[1], "every rank says the same"
+
+
 @pytest.mark.parametrize("which", ["a", "b"])
 def test_the_group_is_usable_after_a_disagreement(ranks, which):
     _check([rec["after"][which] for rec in ranks], which)

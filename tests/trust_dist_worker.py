@@ -49,6 +49,13 @@ def _branch(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -
     return F.mse_loss(h @ params["w1"], y)
 
 
+def _measured(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    h = torch.tanh(x @ params["w0"])  # no boundary: stages=2, partition="measure" cuts it
+    if dist.get_rank() == 1:
+        h = h * 2
+    return F.mse_loss(h @ params["w1"], y)
+
+
 def _constant(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     scale = 1.0 + 0.5 * int(os.environ["RANK"])  # e.g. read from a per-process setting
     h = fpipe.stage_boundary(torch.tanh(scale * x @ params["w0"]))
@@ -165,6 +172,8 @@ def main() -> None:
     record["alternate"] = _case(lambda: _alternate(a, b))
     record["isolation"] = _case(lambda: _isolation(a, b))
     record["branch"] = _error_of(fpipe.pipeline(_branch, microbatches=MB, timeout=60), _branch)
+    measured = fpipe.pipeline(_measured, stages=2, microbatches=MB, timeout=60, partition="measure")
+    record["measured"] = _error_of(measured, _measured)
     record["constant"] = _error_of(fpipe.pipeline(_constant, microbatches=MB, timeout=60), _constant)
     record["after"] = _case(lambda: {"a": _max_errors(a, _mlp, 300), "b": _max_errors(b, _other, 301)})
     record["compile_fails"] = _compile_fails(args.out)

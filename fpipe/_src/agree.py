@@ -77,9 +77,15 @@ def _val(v: Any) -> str:
 
 def _program_text(prog: Program) -> str:
     """The program's operations in order; which values it reads and writes is the cuts' part."""
-    local = {n: i for i, n in enumerate(prog.gm.graph.nodes)}
+    return graph_text(prog.gm)
+
+
+def graph_text(gm: fx.GraphModule) -> str:
+    """A graph's operations in order, with their arguments and value shapes: equal on every rank
+    for the same program (nodes numbered within the graph)."""
+    local = {n: i for i, n in enumerate(gm.graph.nodes)}
     lines = []
-    for n in prog.gm.graph.nodes:
+    for n in gm.graph.nodes:
         target = _target(n.target) if n.op not in ("placeholder", "output") else ""
         args = _canon(n.args, local) + _canon(n.kwargs, local)
         lines.append(f"{n.op}:{target}{args}->{_val(n.meta.get('val'))}")

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 
 from . import tree
-from .agree import check_same_program, digest, fingerprint, gather_digests, odd_ranks
+from .agree import check_same_program, digest, fingerprint, gather_digests, graph_text, odd_ranks
 from .dist import DEFAULT_TIMEOUT, PeerFailure, PPGroup, pp_group
 from .marker import BOUNDARY
 from .measure import measure_costs
@@ -323,6 +323,9 @@ class Pipelined:
         nodes = list(fwd.gm.graph.nodes)
         key = tuple((n.op, str(n.target), _shapes(n.meta.get("val"))) for n in nodes)
         if key not in self._measured:
+            if self.pg is not None:  # the ranks average per-operation times: same operations first
+                parts = {"the traced function": digest(graph_text(fwd.gm))}
+                check_same_program(self._call_str(), self.pg, parts, self.timeout)
             seconds = measure_costs(fwd, mb0, device, self.pg, self.timeout)
             self._measured[key] = [seconds.get(n, 0.0) for n in nodes]
         return dict(zip(nodes, self._measured[key]))

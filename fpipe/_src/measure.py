@@ -30,8 +30,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .partition import node_cost
-from .split import _is_mutating
-from .trace import Forward
+from .trace import Forward, is_mutating
 
 __all__ = ["measure_costs"]
 
@@ -142,7 +141,7 @@ def measure_costs(
         if node.target is operator.getitem:
             env[node] = operator.getitem(*args)
             costs[node] = 0.0
-        elif _is_mutating(node):  # not run: it would change the caller's buffers
+        elif is_mutating(node):  # not run: it would change the caller's buffers
             env[node] = next((a for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor)), None)
             costs[node] = 0.0
         elif node_cost(node) == 0.0:  # a view: free in the static model, and here

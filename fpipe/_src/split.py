@@ -39,7 +39,7 @@ from torch._prims_common import is_non_overlapping_and_dense_or_false
 
 from .marker import BOUNDARY, BOUNDARY_BWD
 from .rng import is_random, seeded
-from .trace import Joint
+from .trace import Joint, is_mutating
 
 __all__ = ["Place", "Program", "Staged", "backward_parts", "split"]
 
@@ -117,11 +117,6 @@ def _marker_getitem(node: fx.Node) -> tuple[str, fx.Node] | None:
     return ("F" if parent.target is BOUNDARY else "B"), src
 
 
-def _is_mutating(node: fx.Node) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    return bool(schema is not None and schema.is_mutable)
-
-
 def _is_marker(node: fx.Node) -> bool:
     return node.target in (BOUNDARY, BOUNDARY_BWD)
 
@@ -130,7 +125,7 @@ def live_nodes(graph: fx.Graph) -> set[fx.Node]:
     """Nodes whose value reaches an output or that mutate an input. A marker element keeps only
     its own source alive, not the marker's other elements (markers themselves are never live)."""
     live: set[fx.Node] = set()
-    stack = [n for n in graph.nodes if n.op == "output" or _is_mutating(n)]
+    stack = [n for n in graph.nodes if n.op == "output" or is_mutating(n)]
     while stack:
         node = stack.pop()
         if node in live or _is_marker(node):
@@ -294,7 +289,7 @@ class _Placer:
             places = sorted(set(self._consumer_places(node)), key=lambda p: _seq(p, self.n_stages))
             if not places:
                 self.place[node] = self._write_place(node)
-            elif len(places) == 1 or _is_mutating(node) or node in self.data_dep:
+            elif len(places) == 1 or is_mutating(node) or node in self.data_dep:
                 self.place[node] = places[0]
             else:
                 self.free_places[node] = places
@@ -425,7 +420,7 @@ def _program(
     ]
     by_name = {n.name: n for n in nodes}
     graph.output([env[by_name[o]] for o in outputs])
-    graph.eliminate_dead_code(is_impure_node=lambda n: n.op in ("placeholder", "output") or _is_mutating(n))
+    graph.eliminate_dead_code(is_impure_node=lambda n: n.op in ("placeholder", "output") or is_mutating(n))
     gm = fx.GraphModule({}, graph)
     return Program(place, gm, inputs, outputs)
 
@@ -484,7 +479,7 @@ def _split_program(prog: Program, staged: Staged) -> tuple[Program, Program]:
     elsewhere = {n for n in prog.outputs if any(c != prog.place for c in staged.consumers.get(n, []))}
     w_outs = [n for n in prog.outputs if n in grads and n not in elsewhere]
     i_outs = [n for n in prog.outputs if n not in w_outs]
-    need_i = _ancestors([by_name[n] for n in i_outs] + [n for n in graph.nodes if _is_mutating(n)])
+    need_i = _ancestors([by_name[n] for n in i_outs] + [n for n in graph.nodes if is_mutating(n)])
     need_w = _ancestors([by_name[n] for n in w_outs])
     w_nodes = [n for n in graph.nodes if n in need_w and n not in need_i and n.op != "placeholder"]
     handed = [

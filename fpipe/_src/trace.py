@@ -171,7 +171,7 @@ def _trace(
 def _functional(gm: fx.GraphModule, fakes: Sequence[torch.Tensor]) -> fx.GraphModule:
     """`gm` re-traced without in-place operations (NOTE [functional graphs]); a graph with none
     is returned as it is (the re-trace would change nothing, and costs a trace's time)."""
-    if not any(_is_in_place(n) for n in gm.graph.nodes):
+    if not any(is_mutating(n) for n in gm.graph.nodes):
         return gm
     plain = [f.detach() for f in fakes]
     functional = torch.func.functionalize(gm, remove="mutations")
@@ -198,7 +198,8 @@ def _hoist_input_writes(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
-def _is_in_place(node: fx.Node) -> bool:
+def is_mutating(node: fx.Node) -> bool:
+    """Does `node` write into one of its arguments (an in-place op, a `copy_` into an input)?"""
     schema = getattr(node.target, "_schema", None)
     return bool(node.op == "call_function" and schema is not None and schema.is_mutable)
 

@@ -107,17 +107,27 @@ class Results:
             self.sums[i].add_(value)
 
 
-def execute(prog: Any, args: list[Any], a: Action, rank: int, timeline: Timeline, gm: Any = None) -> Any:
-    """Run one action's program (or `gm`, a variant of it), labelled for torch.profiler and
-    recorded in the timeline; compiled first if the program asks for it (once per variant)."""
+def execute(
+    prog: Any,
+    args: list[Any],
+    a: Action,
+    rank: int,
+    timeline: Timeline,
+    gm: Any = None,
+    label: str | None = None,
+) -> Any:
+    """Run one action's program (or `gm`, a variant of it), labelled (`label`, else the action)
+    for torch.profiler and in the timeline; compiled first if the program asks for it (once per
+    variant)."""
+    label = str(a) if label is None else label
     fn = prog.gm if gm is None else gm
     if prog.compile is not None:
         fn = compiled(prog, fn)
     set_microbatch(a.mb)
     start = time.perf_counter()
-    with record_function(f"fpipe {a}"):
+    with record_function(f"fpipe {label}"):
         outs = fn(*args)
-    timeline.add(str(a), rank, start, time.perf_counter())
+    timeline.add(label, rank, start, time.perf_counter())
     return outs
 
 
@@ -138,9 +148,11 @@ def run_program(
     timeline: Timeline,
     out_index: dict[Place, list[tuple[int, str, bool]]],
     results: Results,
+    label: str | None = None,
 ) -> None:
     """Run action `a`'s program on its microbatch's values `env` (else `glob`), store its outputs
-    in `env`, and hand those that are outputs of the step (`out_index`) to `results`.
+    in `env`, and hand those that are outputs of the step (`out_index`) to `results`; `label`
+    names it in the timeline (default: the action).
 
     With several microbatches, gradients summed over them are added into their running sums by
     the program itself (`accumulating`) where no torch.func transform is active (their values
@@ -154,7 +166,7 @@ def run_program(
             gm, sums_like = accumulating(prog, tuple(own))
             fused = {own[n]: like for n, like in sums_like}
             args += [results.running_sum(i, like) for i, like in fused.items()]
-    outs = execute(prog, args, a, rank, timeline, gm)
+    outs = execute(prog, args, a, rank, timeline, gm, label)
     env.update(zip(prog.outputs, outs))
     del args, outs
     for i, name, _ in outs_of:

@@ -68,6 +68,7 @@ class DistRunner:
         for g in self.plan.groups[self.rank]:  # in the plan's order
             groups[g.after].append(g)
         self.groups = dict(groups)
+        self.next_groups = self._next_groups()
         self.need = self.plan.need
         self.incoming = {(t.src, t.index): t for g in self.plan.groups[self.rank] for t in g.recvs}
         self.local_refs = self._local_refcounts()
@@ -99,6 +100,16 @@ class DistRunner:
             src = self.staged.producer.get(name)
             if src is not None and self.rank_of(src) != rank:
                 out.append((self.rank_of(src), Action(src[0], src[1], a.mb)))
+        return out
+
+    def _next_groups(self) -> dict[Action | None, list[CommGroup]]:
+        """After each action (None: before the first), the groups planned after the next action
+        that has any: whose receives gloo posts a group early."""
+        out: dict[Action | None, list[CommGroup]] = {}
+        upcoming: list[CommGroup] = []
+        for prev, a in reversed(list(zip([None, *self.actions], self.actions))):
+            upcoming = self.groups.get(a, upcoming)
+            out[prev] = upcoming
         return out
 
     def _plan_backward_parts(self) -> dict[int, tuple[Program, Program]]:
@@ -179,17 +190,11 @@ class DistRunner:
             i_part, w_part = parts
             run(i_part)
             st.issue(a)
-            run(w_part)
-            self._relabel_last(f"{a}/w")
+            run(w_part, label=f"{a}/w")
             for name in i_part.outputs:  # what I handed to W
                 if name not in prog.outputs:
                     env.pop(name, None)
         release(prog, env, st.left[a.mb])
-
-    def _relabel_last(self, name: str) -> None:
-        """Names the timeline's last event (the weight-gradient half of a split B) `name`."""
-        _, rank, start, end, kind = self.timeline.events[-1]
-        self.timeline.events[-1] = (name, rank, start, end, kind)
 
 
 class _State:
@@ -205,7 +210,6 @@ class _State:
         # gloo (not emulated): operations complete independently, so the next group's receives
         # are posted a group early and transfers overlap compute; NCCL: exactly the plan's order
         self.early = not self.emulate and runner.pg.device.type != "cuda"
-        self.next_of = dict(zip([None, *runner.actions], runner.actions))
         self._per_op = True
 
     def issue(self, after: Action | None) -> None:
@@ -221,15 +225,12 @@ class _State:
             self.r.timeline.add(f"send {after}", self.r.rank, start, time.perf_counter(), "send")
 
     def _post_next(self, after: Action | None) -> None:
-        """Post the receives of the first group planned after a later action than `after`."""
-        a = self.next_of.get(after)
-        while a is not None and a not in self.r.groups:
-            a = self.next_of.get(a)
-        if a is not None:
-            for g in self.r.groups[a]:
-                recvs = [t for t in g.recvs if (t.src, t.index) not in self.recv_works]
-                if recvs:
-                    self._batch([], recvs)
+        """Post the receives of the groups planned after the next action (later than `after`)
+        that has any."""
+        for g in self.r.next_groups.get(after, []):
+            recvs = [t for t in g.recvs if (t.src, t.index) not in self.recv_works]
+            if recvs:
+                self._batch([], recvs)
 
     def _issue(self, group: CommGroup, after: Action | None) -> None:
         recvs = [t for t in group.recvs if (t.src, t.index) not in self.recv_works]

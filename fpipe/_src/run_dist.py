@@ -243,7 +243,8 @@ class _State:
         elif group.sends:
             peers = sorted({t.dst for t in group.sends})
             to = f"rank {peers[0]}" if len(peers) == 1 else "ranks " + ", ".join(map(str, peers))
-            what = f"sending {after}'s outputs to {to}"
+            where = f" (stage {after.stage}, microbatch {after.mb})" if after is not None else ""
+            what = f"sending {after}'s outputs{where} to {to}"
             self.r.reaper.submit(works[: len(keep)] if self._per_op else works, keep, what, peers[0])
 
     def _batch(

@@ -142,6 +142,8 @@ class PPGroup:
     def _raise_for(self, err: BaseException, timeout: float, what: str, peer: int | None) -> None:
         exit_hard_after_failure()  # gloo threads may stay blocked on the vanished peer
         msg = self.failure()
+        if msg is not None and msg.startswith(f"fpipe rank {self.rank}: timed out"):
+            raise TimeoutError(msg) from err  # this rank timed out first, in its send thread
         text_err = str(err).lower()
         if msg is None and ("timeout" in text_err or "timed out" in text_err):
             chain = self._wait_chain(peer)

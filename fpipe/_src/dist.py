@@ -22,14 +22,12 @@ exits with status 1 right after the traceback and its atexit handlers (`exit_har
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import datetime
 import functools
 import hashlib
 import os
 import queue
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -38,6 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .exiting import EXITING, exit_hard_after_failure, settle_at_exit
+
 __all__ = ["PPGroup", "pp_group", "PeerFailure", "DEFAULT_TIMEOUT"]
 
 DEFAULT_TIMEOUT = 300.0
@@ -45,6 +45,7 @@ _SEQ: dict[str, int] = {}  # pipelines called so far per process group (by its g
 _SEQ_LOCK = threading.Lock()
 _REPORT_GRACE_S = 2.0  # how long a rank that saw a peer vanish waits for that peer's own report
 _WATCH_LOCK = threading.Lock()
+_SETTLE_S = 3.0  # at exit, how long a send to a lower rank may still take (NOTE [threads at exit])
 
 
 class PeerFailure(RuntimeError):
@@ -79,9 +80,22 @@ class PPGroup:
         if not self.namespace:
             self.namespace = namespace_for(self.group)
 
+    def begin_call(self) -> None:
+        """Before anything in a pipeline call can fail: name the pipeline's store keys (first
+        call), and start a new generation of failure reports -- a report written during this
+        call is read during this call, one from an earlier call (caught) is never read."""
+        self.name_at_first_call()
+        self.generation += 1
+
+    def broadcast(self, t: torch.Tensor, src: int, timeout: float, what: str) -> torch.Tensor:
+        """`t` from pipeline rank `src` to every rank of the group, in place (`t` contiguous)."""
+        work = dist.broadcast(t, self.global_rank(src), group=self.group, async_op=True)
+        self.wait_all([work], timeout, functools.partial(str, what))
+        return t
+
     def report_failure(self, message: str) -> None:
         """Tell the other ranks why this one is stopping (first report of this call wins)."""
-        if self.store is None:
+        if self.store is None or EXITING.is_set():  # at exit the store may be gone: no wait on it
             return
         try:
             self.store.compare_set(self._failed_key(), "", message)
@@ -89,7 +103,7 @@ class PPGroup:
             pass
 
     def failure(self) -> str | None:
-        if self.store is None:
+        if self.store is None or EXITING.is_set():
             return None
         try:
             if self.store.check([self._failed_key()]):
@@ -156,7 +170,7 @@ class PPGroup:
             )
             self.report_failure(text)
             raise TimeoutError(text) from err
-        if msg is None:
+        if msg is None and not EXITING.is_set():
             # a closed connection is not always a crash: a peer whose own wait timed out has its
             # connections torn down by gloo a moment before it reports why; give it that moment
             msg = self._failure_within(_REPORT_GRACE_S)
@@ -177,7 +191,7 @@ class PPGroup:
         """Follow the recorded waits from `peer`: [peer, whom peer waits for, ...]."""
         chain: list[int] = []
         cur = peer
-        while cur is not None and cur not in chain and self.store is not None:
+        while cur is not None and cur not in chain and self.store is not None and not EXITING.is_set():
             chain.append(cur)
             try:
                 key = self.waits_key(cur)
@@ -237,7 +251,9 @@ class _WaitWatch:
         self.lock = threading.Lock()
         self.waits: dict[int, tuple[int, float]] = {}  # thread id -> (peer, since)
         self.recorded: int | None = None
-        threading.Thread(target=self._loop, name="fpipe-wait-watch", daemon=True).start()
+        self.thread = threading.Thread(target=self._loop, name="fpipe-wait-watch", daemon=True)
+        self.thread.start()
+        settle_at_exit(functools.partial(self.thread.join, 2.0))  # NOTE [threads at exit]
 
     def begin(self, peer: int | None) -> None:
         if peer is not None:
@@ -250,8 +266,7 @@ class _WaitWatch:
             self._sync()
 
     def _loop(self) -> None:
-        while True:
-            time.sleep(0.5)
+        while not EXITING.wait(0.5):
             with self.lock:
                 self._sync()
 
@@ -269,7 +284,7 @@ class _WaitWatch:
             self._store(functools.partial(_set_value, value=str(peer)))
 
     def _store(self, op: Callable[[Any, str], Any]) -> None:
-        if self.pg.store is not None:
+        if self.pg.store is not None and not EXITING.is_set():
             try:
                 op(self.pg.store, self.pg.waits_key(self.pg.rank))
             except Exception:  # the store may be gone; the wait itself still times out
@@ -284,8 +299,10 @@ class SendReaper:
         self.pg, self.timeout = pg, timeout
         self.queue: queue.Queue[Any] = queue.Queue()
         self.error: BaseException | None = None
+        self.peer: int | None = None  # whom the send being waited on goes to
         self.thread = threading.Thread(target=self._loop, name="fpipe-send-reaper", daemon=True)
         self.thread.start()
+        settle_at_exit(self._settle)
 
     def submit(
         self, works: list[Any], tensors: list[torch.Tensor], what: str, peer: int | None = None
@@ -295,6 +312,7 @@ class SendReaper:
     def _loop(self) -> None:
         while True:
             works, tensors, what, peer = self.queue.get()
+            self.peer = peer
             try:
                 if works is not None and self.error is None:
                     self.pg.wait_all(works, self.timeout, functools.partial(str, what), peer)
@@ -304,35 +322,21 @@ class SendReaper:
                 del works, tensors
                 self.queue.task_done()
 
+    def _settle(self) -> None:
+        """At exit: let pending sends and their error handling finish (NOTE [threads at exit])."""
+        start = time.monotonic()
+        while self.queue.unfinished_tasks:
+            higher = self.peer is not None and self.peer > self.pg.rank
+            if time.monotonic() - start > (self.timeout if higher else _SETTLE_S):
+                return
+            time.sleep(0.01)
+
     def drain(self) -> None:
         """Block until every submitted send completed; re-raise a send's failure."""
         self.queue.join()
         if self.error is not None:
             err, self.error = self.error, None
             raise err
-
-
-_hook_installed = False
-
-
-def exit_hard_after_failure() -> None:
-    """Once a pipeline failed in this process: should an exception then escape to the top level
-    (the failure, uncaught), end the process with status 1 right after Python printed it and
-    ran the atexit handlers, skipping only the interpreter's teardown, where a transport thread
-    still blocked on a vanished peer could hang or abort it. A script that catches the failure
-    and goes on is left alone: it exits when and how it chooses, its atexit handlers run."""
-    global _hook_installed
-    if not _hook_installed:
-        _hook_installed = True
-        sys.excepthook = functools.partial(_exit_after_uncaught, sys.excepthook)
-
-
-def _exit_after_uncaught(previous: Callable[..., Any], kind: Any, value: Any, tb: Any) -> None:
-    previous(kind, value, tb)  # the traceback, printed as usual
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(1)
 
 
 def _init_from_env(timeout: float) -> None:

@@ -173,3 +173,19 @@ def first_difference(pg: PPGroup, parts: dict[str, int]) -> str:
         return "the programs' overall digests differ"
     also = f"; so do {', '.join(differ[1:4])}" + (", ..." if len(differ) > 4 else "") if differ[1:] else ""
     return f"{differ[0]} differs{also}"
+
+
+def check_same_signature(
+    call: str, pg: PPGroup, key: Any, shapes: list[tuple[int, ...]], timeout: float
+) -> None:
+    """Every rank must run the same program: compare the input signatures (one all-gather of
+    a hash per call) so different shapes on two ranks fail loudly instead of corrupting."""
+    every = gather_digests(pg, [digest(repr(key))], timeout, "comparing input signatures before the step")
+    differ = odd_ranks([v[0] for v in every])
+    if differ is not None:
+        raise ValueError(
+            f"{call}: ranks {differ[0]} were called with inputs whose shapes, dtypes "
+            f"or structure differ from ranks {differ[1]}; every pipeline "
+            "rank must pass inputs of the same signature (a rank that does not use an input may "
+            f"pass a meta tensor of the same shape). This rank's data shapes: {shapes}."
+        )

@@ -9,13 +9,38 @@ from __future__ import annotations
 
 import hashlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["materialize_module"]
+from .compiler import Compiled
+from .dist import PPGroup
+from .outputs import local_inputs
+
+__all__ = ["materialize_module", "materialize_plan"]
+
+
+def materialize_plan(
+    module: nn.Module,
+    pg: PPGroup | None,
+    c: Compiled,
+    plans: Iterable[Compiled],
+    device: torch.device,
+    state_dict: dict[str, torch.Tensor] | None,
+    init: Callable[[nn.Module], None] | None,
+) -> dict[str, torch.Tensor]:
+    """`Pipelined.materialize`: materialise what this rank's stages of plan `c` read, point every
+    compiled plan's captured buffers at the new tensors, return the new params dict."""
+    local = local_inputs(pg, c, c.staged.param_inputs)
+    names = {k for i, k in enumerate(c.param_keys) if i in local}
+    const_local = local_inputs(pg, c, c.staged.const_inputs)
+    buffers = [b for i, b in enumerate(c.consts) if i in const_local]
+    replaced = materialize_module(module, names, buffers, device, state_dict, init)
+    for compiled in plans:
+        compiled.consts[:] = remap(compiled.consts, replaced)
+    return {n: p.detach() for n, p in module.named_parameters()}
 
 
 def _owners(module: nn.Module, tensors: dict[int, str]) -> dict[int, list[tuple[nn.Module, str, bool]]]:

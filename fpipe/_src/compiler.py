@@ -1,0 +1,323 @@
+"""Compile: one input signature -> an executable plan, cached per signature.
+
+`Compiler.get` is the data path's middle, in the order docs/ARCHITECTURE.md draws it: trace the
+forward graph on fake tensors -> partition (only `stages=N` without markers) -> choose the
+output reductions -> trace the joint (value-and-grad) graph -> split into per-stage programs ->
+build and validate the schedule, split backwards into I/W where it asks -> a runner (this
+process, or this rank of a process group). In a group, the ranks compare input signatures at
+every call and the staged programs at each compile, before any transfer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+from typing import Any
+
+import torch
+from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
+
+from . import inputs as inputs_
+from . import tree
+from .agree import check_same_program, check_same_signature, digest, fingerprint, graph_text
+from .config import REDUCTIONS, Config
+from .dist import PPGroup
+from .inputs import Inputs
+from .marker import BOUNDARY
+from .measure import measure_costs
+from .partition import auto_partition
+from .reduction import batch_reduction
+from .run import LocalRunner
+from .run_dist import DistRunner
+from .schedule import Schedule, build, stages_per_rank
+from .simulate import validate
+from .split import Staged, count_stages, split, split_backward
+from .trace import Forward, Joint, fake_like, make_fakes, trace_forward, trace_joint
+
+
+@dataclasses.dataclass
+class Compiled:
+    """The plan for one input signature: the staged programs and the runner that executes them."""
+
+    staged: Staged
+    runner: LocalRunner
+    consts: list[torch.Tensor]
+    out_spec: Any
+    reductions: list[str | int]
+    diff: list[int]
+    stage_costs: list[float] | None
+    param_keys: list[Any]
+    const_sources: list[Any]  # Forward.sources: where each const is read at every call
+    local_params: list[int] | None = None
+
+
+Key = tuple[Any, ...]
+
+
+class Compiler:
+    """Compiles a pipeline's function per input signature and keeps the plans (`cache`)."""
+
+    def __init__(self, cfg: Config, pg: PPGroup | None) -> None:
+        self.cfg, self.pg = cfg, pg
+        self.cache: dict[Key, Compiled] = {}
+        self._measured: dict[Key, list[float]] = {}  # see _measured_costs
+
+    def get(
+        self, inp: Inputs, mb0: list[torch.Tensor], grad_of: tuple[int, ...] | None, has_aux: bool
+    ) -> Compiled:
+        """The plan for these inputs, compiled at the first call of their signature."""
+        key = (inp.key(inputs_.device_of(self.pg, inp).type), grad_of, has_aux)
+        if self.pg is not None:
+            shapes = [tuple(t.shape) for t in inp.data_leaves]
+            check_same_signature(self.cfg.call, self.pg, key, shapes, self.cfg.timeout)
+        compiled = self.cache.get(key)
+        if compiled is None:
+            # Trace outside any active torch.func transform (grad(piped), vmap(piped)): the
+            # program is a function of its inputs, whatever transform later runs it.
+            with temporarily_clear_interpreter_stack():
+                compiled = self._compile(inp, mb0, grad_of, has_aux)
+            if self.pg is not None:  # before any transfer: the ranks must agree on what to send
+                parts = fingerprint(compiled.staged, compiled.runner.schedule)
+                check_same_program(self.cfg.call, self.pg, parts, self.cfg.timeout)
+            self.cache[key] = compiled
+        return compiled
+
+    def _compile(
+        self, inp: Inputs, mb0: list[torch.Tensor], grad_of: tuple[int, ...] | None, has_aux: bool
+    ) -> Compiled:
+        cfg, device = self.cfg, inputs_.device_of(self.pg, inp)
+        mode, fakes = make_fakes([*inp.param_leaves, *mb0], device)
+        wanting = _wanting_grad(fakes, inp, grad_of)
+        fwd = trace_forward(cfg.call, cfg.f, inputs_.rebuilder(inp), wanting, len(inp.param_leaves), device)
+        stage_costs = self._cut(fwd, [*inp.param_leaves, *mb0], device)
+        reductions = self._reductions(fwd, inp)
+        diff: list[int] = []
+        if grad_of is None:
+            joint = _forward_as_joint(fwd)
+        else:
+            diff = _diff_positions(cfg, inp, grad_of, fwd, reductions, has_aux)
+            const_fakes = [fake_like(mode, c, device) for c in fwd.consts]
+            with mode:  # the 1/M factor in the loss's precision (at least fp32): exact enough
+                ct = torch.empty((), dtype=_cotangent_dtype(fwd), device=device)
+            joint = trace_joint(cfg.call, fwd, [*fakes, *const_fakes, ct], diff, has_aux)
+        staged, sched = self._stage(joint)
+        runner: Any = (
+            LocalRunner(staged, sched) if self.pg is None else DistRunner(staged, sched, self.pg, cfg.timeout)
+        )
+        keys = inputs_.param_keys(inp)
+        return Compiled(
+            staged, runner, fwd.consts, fwd.out_spec, reductions, diff, stage_costs, keys, fwd.sources
+        )
+
+    def _stage(self, joint: Joint) -> tuple[Staged, Schedule]:
+        """Split the joint graph, schedule its stages, split backwards where the schedule asks."""
+        staged = split(self.cfg.call, joint, self.cfg.stages)
+        sched = self._schedule(staged.n_stages)
+        staged = self._split_backward(staged, sched)
+        if self.cfg.compile:
+            opts = self.cfg.compile if isinstance(self.cfg.compile, dict) else {}
+            for prog in staged.programs.values():
+                prog.compile = opts
+        return staged, sched
+
+    def _split_backward(self, staged: Staged, sched: Schedule) -> Staged:
+        """Split B into I and W on the stages where the schedule uses I/W actions."""
+        kinds: dict[int, set[str]] = {}
+        for a in sched.actions():
+            kinds.setdefault(a.stage, set()).add(a.kind)
+        mixed = sorted(s for s, k in kinds.items() if "B" in k and k & {"I", "W"})
+        if mixed:
+            raise ValueError(
+                f"{self.cfg.call}: schedule {sched.name!r} uses both B and I/W actions on "
+                f"stage(s) {mixed}; on each stage use either full backwards or the I/W split."
+            )
+        return split_backward(staged, [s for s, k in kinds.items() if k & {"I", "W"}])
+
+    def _cut(self, fwd: Forward, mb0: list[torch.Tensor], device: torch.device) -> list[float] | None:
+        """Check the markers' stage count, or choose the cuts (stages=N without markers)."""
+        has_markers = bool(fwd.gm.graph.find_nodes(op="call_function", target=BOUNDARY))
+        stages = self.cfg.stages
+        if stages is None and not has_markers and self.pg is not None:
+            sched = self.cfg.schedule
+            per = stages_per_rank(sched) if isinstance(sched, str) else 1
+            stages = self.pg.size * per  # the schedule's stages per rank, chosen automatically
+        if stages is None or stages == 1 and not has_markers:
+            return None
+        if has_markers:
+            found = count_stages(fwd.gm.graph)
+            if found != stages:
+                raise ValueError(
+                    f"{self.cfg.call}: stages={stages} but the function's stage_boundary calls "
+                    f"make {found} stages (the most boundaries on one path from the inputs); pass "
+                    f"stages={found} (or stages=None to follow the boundaries), or remove the "
+                    "stage_boundary calls to let fpipe choose the cuts."
+                )
+            return None
+        measure = None
+        if self.cfg.partition == "measure":
+            measure = functools.partial(self._measured_costs, fwd, mb0, device)
+        return auto_partition(self.cfg.call, fwd, stages, measure)
+
+    def _measured_costs(
+        self, fwd: Forward, mb0: list[torch.Tensor], device: torch.device
+    ) -> dict[Any, float]:
+        """`measure_costs`, once per forward program: the forward-only trace (a plain call,
+        `materialize`) and the value_and_grad one trace the same operations, and must cut them
+        alike -- `materialize` gave this rank the parameters of *its* cut, and timings vary from
+        one measurement to the next. Every rank sees the same programs, so every rank skips the
+        measurement (and its all-reduce) alike."""
+        nodes = list(fwd.gm.graph.nodes)
+        key = tuple((n.op, str(n.target), _shapes(n.meta.get("val"))) for n in nodes)
+        if key not in self._measured:
+            if self.pg is not None:  # the ranks average per-operation times: same operations first
+                parts = {"the traced function": digest(graph_text(fwd.gm))}
+                check_same_program(self.cfg.call, self.pg, parts, self.cfg.timeout)
+            seconds = measure_costs(fwd, mb0, device, self.pg, self.cfg.timeout)
+            self._measured[key] = [seconds.get(n, 0.0) for n in nodes]
+        return dict(zip(nodes, self._measured[key]))
+
+    def _reductions(self, fwd: Forward, inp: Inputs) -> list[str | int]:
+        """Per output: 'mean', 'sum' or a concatenation axis. A scalar output the user gave no
+        reduction for is summed when its function sums the batch (NOTE [an honest reduction])."""
+        outs = fwd.gm.graph.find_nodes(op="output")[0].args[0]
+        dims = [o.meta["val"].dim() for o in outs]  # type: ignore[union-attr]
+        if self.cfg.out_axes is None:
+            return [self._scalar_reduction(fwd, inp, i) if d == 0 else 0 for i, d in enumerate(dims)]
+        template = tree.unflatten(list(range(len(dims))), fwd.out_spec)
+        given = tree.broadcast_prefix(self.cfg.out_axes, template)
+        for r in given:
+            if not (r in REDUCTIONS or isinstance(r, int)):
+                raise ValueError(
+                    f"{self.cfg.call}: out_axes entry {r!r} is not 'mean', 'sum' or an int "
+                    "(the axis along which microbatch outputs are concatenated)."
+                )
+        return list(given)
+
+    def _scalar_reduction(self, fwd: Forward, inp: Inputs, i: int) -> str:
+        m = self.cfg.microbatches
+        axes = {fwd.n_params + j: a for j, a in enumerate(inp.axes) if a is not None}
+        kind = batch_reduction(fwd.gm, axes, i) if m > 1 else None
+        if kind == "divided":  # a count (a mean) or a constant (a sum)? trace at twice the batch
+            again = self._trace_at_twice_the_batch(inp)
+            kind = "mean" if again is None else batch_reduction(again.gm, axes, i)
+        if kind == "mixed":
+            warnings.warn(
+                f"{self.cfg.call}: output {i} adds a sum over the batch to a term that is not "
+                "summed over the batch (a constant, or a mean); no combination of the "
+                f"{m} microbatch values reproduces the unsplit function, so fpipe "
+                "averages them. Pass out_axes='sum' to add them instead, or make the loss a mean "
+                "(or a sum) throughout.",
+                stacklevel=10,
+            )
+        return "sum" if kind == "sum" else "mean"
+
+    def _trace_at_twice_the_batch(self, inp: Inputs) -> Forward | None:
+        """The forward graph at microbatches twice as large (fake tensors: no memory), or None
+        if the function does not trace at that size."""
+        m, device = self.cfg.microbatches, inputs_.device_of(self.pg, inp)
+        shapes = [list(t.shape) for t in inp.data_leaves]
+        for shape, axis in zip(shapes, inp.axes):
+            if axis is not None:
+                shape[axis] = 2 * shape[axis] // m
+        mode, fakes = make_fakes(inp.param_leaves, device)
+        with mode:
+            fakes += [torch.empty(s, dtype=t.dtype, device=device) for s, t in zip(shapes, inp.data_leaves)]
+        try:
+            return trace_forward(
+                self.cfg.call, self.cfg.f, inputs_.rebuilder(inp), fakes, len(inp.param_leaves)
+            )
+        except Exception:
+            return None
+
+    def _schedule(self, n_stages: int) -> Schedule:
+        """The schedule for `n_stages` stages, built or given, validated against the group."""
+        cfg, pg, s = self.cfg, self.pg, self.cfg.schedule
+        if isinstance(s, Schedule):
+            sched = s
+        elif callable(s):
+            sched = s(pp=n_stages, microbatches=cfg.microbatches)
+        else:
+            sched = build(
+                s, pp=pg.size if pg is not None else None, microbatches=cfg.microbatches, stages=n_stages
+            )
+        validate(sched)
+        if pg is not None and sched.pp != pg.size:
+            raise ValueError(
+                f"{cfg.call}: the schedule has {sched.pp} ranks but the pipeline group has "
+                f"{pg.size}; launch with --nproc-per-node {sched.pp} or change the stages."
+            )
+        if sched.n_stages != n_stages or sched.n_microbatches != cfg.microbatches:
+            raise ValueError(
+                f"{cfg.call}: the schedule covers {sched.n_stages} stages and "
+                f"{sched.n_microbatches} microbatches but the program has {n_stages} stages and "
+                f"microbatches={cfg.microbatches}; build the schedule for those numbers."
+            )
+        return sched
+
+
+def _diff_positions(
+    cfg: Config,
+    inp: Inputs,
+    argnums: tuple[int, ...],
+    fwd: Forward,
+    reductions: list[str | int],
+    has_aux: bool,
+) -> list[int]:
+    """The flat positions to differentiate; refuse a loss that is not a scalar reduced by
+    'mean' or 'sum'."""
+    call = f"value_and_grad({cfg.call})"
+    outs = fwd.gm.graph.find_nodes(op="output")[0].args[0]
+    loss = outs[0].meta["val"]  # type: ignore[index, union-attr]
+    if loss.dim() != 0 or (not has_aux and len(outs) != 1):  # type: ignore[arg-type]
+        what = f"a tensor of shape {tuple(loss.shape)}" if len(outs) == 1 else f"{len(outs)} tensors"  # type: ignore[arg-type]
+        raise ValueError(
+            f"{call}: the function must return a scalar loss{' and an aux value' if has_aux else ''}, "
+            f"but returns {what}; reduce it to a scalar, or pass has_aux=True and return (loss, aux)."
+        )
+    if reductions[0] not in REDUCTIONS:
+        raise ValueError(
+            f"{call}: the loss must be reduced over microbatches by 'mean' or 'sum', not {reductions[0]!r}."
+        )
+    return inputs_.argnum_positions(call, inp, argnums)
+
+
+def _cotangent_dtype(fwd: Forward) -> torch.dtype:
+    """The loss's dtype, at least fp32: 1/M in bf16 is off by up to 0.4 %, a bias in every gradient."""
+    loss = fwd.gm.graph.find_nodes(op="output")[0].args[0][0].meta["val"]  # type: ignore[index, union-attr]
+    return torch.promote_types(loss.dtype, torch.float32)
+
+
+def _wanting_grad(
+    fakes: list[torch.Tensor], inp: Inputs, grad_of: tuple[int, ...] | None
+) -> list[torch.Tensor]:
+    """The forward trace sees the inputs to be differentiated as requiring grad, as eager would:
+    kernels are chosen by that (attention with a learned mask must take the differentiable path),
+    and the trace finds the custom autograd.Functions a gradient would pass through by them
+    (NOTE [custom autograd.Function] in trace.py). A plain call traces like `value_and_grad`'s
+    default (argnums=0: the params): `materialize` and the step then trace the same operations,
+    and `torch.func.grad(piped)` differentiates a program that was checked."""
+    wanted = {p for num in (grad_of or (0,)) for p in inputs_.positions_of_argnum(inp, num)}
+    return [
+        f.detach().requires_grad_(True) if i in wanted and (f.is_floating_point() or f.is_complex()) else f
+        for i, f in enumerate(fakes)
+    ]
+
+
+def _forward_as_joint(fwd: Forward) -> Joint:
+    """The forward graph with an (unused) cotangent input, so `split` treats both alike."""
+    gm = fwd.gm
+    last = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+    with gm.graph.inserting_after(last):
+        gm.graph.placeholder("ct")
+    gm.recompile()
+    n_outs = len(gm.graph.find_nodes(op="output")[0].args[0])
+    return Joint(gm, fwd.n_params, fwd.n_data, len(fwd.consts), n_outs, [])
+
+
+def _shapes(val: Any) -> Any:
+    if isinstance(val, torch.Tensor):
+        return (tuple(val.shape), str(val.dtype))
+    if isinstance(val, (tuple, list)):
+        return tuple(_shapes(v) for v in val)
+    return None

@@ -1,0 +1,85 @@
+"""Execute: one step of a compiled plan on this rank's inputs.
+
+Binds the call's tensors to the programs' input names (parameters, the module buffers as they
+are now, the loss cotangent, each microbatch's data), checks that this rank's parameters are
+real, numbers the step for the random-number policy (NOTE [random-number policy] in rng.py)
+and hands everything to the runner, which runs the schedule's actions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+from .compiler import Compiled
+from .config import Config
+from .dist import PPGroup
+from .inputs import Inputs, device_of
+from .outputs import local_inputs
+from .rng import set_step
+from .run import Results
+
+
+def execute(
+    cfg: Config,
+    pg: PPGroup | None,
+    inp: Inputs,
+    mbs: list[list[torch.Tensor]],
+    c: Compiled,
+    ct: float | None,
+    step: int,
+) -> Results:
+    """Run step number `step` (1, 2, ...) of plan `c`; `ct` is the loss cotangent (None: forward only)."""
+    st = c.staged
+    check_local_params(cfg, pg, inp, c)
+    glob = dict(zip(st.param_inputs, inp.param_leaves))
+    glob.update(zip(st.const_inputs, current_consts(cfg.call, c)))
+    if ct is not None:
+        glob[st.ct_input] = torch.tensor(ct, dtype=st.meta[st.ct_input][1], device=device_of(pg, inp))
+    data = [dict(zip(st.data_inputs, mb)) for mb in mbs]
+    set_step(torch.initial_seed(), step)
+    summed = frozenset(st.n_outs + j for j, pos in enumerate(c.diff) if inp.axis_of(pos) is None)
+    # value_and_grad computes its gradients explicitly (the joint programs): recording autograd
+    # history as well, for inputs that require grad, would keep every program's intermediates
+    # alive for the whole step. Under a torch.func transform, the transform decides.
+    explicit = ct is not None and torch._C._functorch.peek_interpreter_stack() is None
+    with torch.no_grad() if explicit else contextlib.nullcontext():
+        results = c.runner.run(glob, data, summed)
+    trace = os.environ.get("FPIPE_TRACE")
+    if trace:
+        c.runner.timeline.write(f"{trace}.rank{pg.rank if pg else 0}.json")
+    return results
+
+
+def check_local_params(cfg: Config, pg: PPGroup | None, inp: Inputs, c: Compiled) -> None:
+    """Refuse meta tensors among the parameters this rank's stages read."""
+    if c.local_params is None:
+        c.local_params = sorted(local_inputs(pg, c, c.staged.param_inputs))
+    meta = [i for i in c.local_params if inp.param_leaves[i].is_meta]
+    if meta:
+        names = [str(c.param_keys[i]) if c.param_keys else f"leaf {i}" for i in meta[:4]]
+        raise ValueError(
+            f"{cfg.call}: parameter(s) {names} are on the meta device, but this rank's "
+            "stages use them. Pass the dict that piped.materialize(...) returned (the one from "
+            "functionalize still holds the meta tensors), or real tensors."
+        )
+
+
+def current_consts(call: str, c: Compiled) -> list[torch.Tensor]:
+    """The module buffers the programs read, as the module holds them now (a buffer reassigned
+    since the trace, by `load_state_dict(..., assign=True)` or `module.buf = t`, is read anew);
+    captured tensors that are not a module's buffer, as traced."""
+    out = []
+    for traced, source in zip(c.consts, c.const_sources or [None] * len(c.consts)):
+        now = traced if source is None else source[0].get_buffer(source[1])
+        if now is not traced and (now.shape, now.dtype) != (traced.shape, traced.dtype):
+            raise ValueError(
+                f"{call}: buffer {source[1]!r} of {type(source[0]).__name__} is now a {now.dtype} "
+                f"tensor of shape {tuple(now.shape)}, but the pipeline was traced with a "
+                f"{traced.dtype} tensor of shape {tuple(traced.shape)}; build a new pipeline for "
+                "the changed module (fpipe.pipeline(...)), or assign buffers of the traced shape."
+            )
+        out.append(now)
+    return out

@@ -1,0 +1,154 @@
+"""Outputs: what a step returns, and which rank owns what.
+
+Per output, the microbatch values are reduced as the compile step chose ('mean', 'sum', or
+concatenated along an axis) on the rank that produced them, and broadcast to the others in a
+process group. Gradients come back for `argnums`: summed over microbatches as the step ran
+(parameters, and arguments passed whole) or concatenated (split arguments), rebuilt into the
+structure of the argument they belong to. In a group a parameter's gradient is returned on the
+ranks that use it (broadcast when several do, e.g. a tied embedding); `param_owner` names the
+lowest such rank, the one that counts it (for `clip_grad_norm_`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from . import inputs as inputs_
+from . import tree
+from .compiler import Compiled
+from .dist import PPGroup
+from .inputs import Inputs
+from .run import Results
+
+
+def values(
+    pg: PPGroup | None, c: Compiled, results: list[list[Any]], m: int, timeout: float
+) -> list[torch.Tensor]:
+    """Reduce each value output over microbatches; in a group, broadcast it from its rank."""
+    n = c.staged.n_outs
+    if pg is None:
+        return reduce([r[:n] for r in results], c.reductions)
+    out = []
+    for i in range(n):
+        src = c.runner.rank_of(c.staged.producer[c.staged.out_names[i]])
+        if src == pg.rank:
+            val = reduce([[r[i]] for r in results], [c.reductions[i]])[0].contiguous()
+        else:
+            val = torch.empty(
+                _reduced_shape(c, i, m), dtype=c.staged.meta[c.staged.out_names[i]][1], device=pg.device
+            )
+        out.append(pg.broadcast(val, src, timeout, f"receiving output {i} from rank {src}"))
+    return out
+
+
+def reduce(per_mb: list[list[torch.Tensor]], reductions: Sequence[str | int]) -> list[torch.Tensor]:
+    """Combine each output's microbatch values: their mean, their sum, or concatenated."""
+    out = []
+    for i, r in enumerate(reductions):
+        vals = [mb[i] for mb in per_mb]
+        if r == "mean":
+            out.append(_sum(vals) / len(vals))
+        elif r == "sum":
+            out.append(_sum(vals))
+        else:
+            out.append(torch.cat(vals, dim=int(r)))
+    return out
+
+
+def _sum(gs: list[torch.Tensor]) -> torch.Tensor:
+    acc = gs[0]
+    for g in gs[1:]:
+        acc = acc + g
+    return acc
+
+
+def _reduced_shape(c: Compiled, i: int, m: int) -> torch.Size:
+    shape, _ = c.staged.meta[c.staged.out_names[i]]
+    r = c.reductions[i]
+    if isinstance(r, int):
+        return torch.Size([d * m if k == r else d for k, d in enumerate(shape)])
+    return shape
+
+
+def grads(
+    pg: PPGroup | None, inp: Inputs, c: Compiled, results: Results, nums: tuple[int, ...], timeout: float
+) -> list[Any]:
+    """The gradient pytree of each argument in `nums` (0: the params)."""
+    m = len(results.per_mb)
+    flat = {pos: _grad_of(pg, inp, c, results, j, pos, m, timeout) for j, pos in enumerate(c.diff)}
+    return [
+        _rebuild_grad_tree(inp, num, [flat[p] for p in inputs_.positions_of_argnum(inp, num)]) for num in nums
+    ]
+
+
+def _grad_of(
+    pg: PPGroup | None, inp: Inputs, c: Compiled, results: Results, j: int, pos: int, m: int, timeout: float
+) -> torch.Tensor | None:
+    """One input's gradient over all microbatches (see the module docstring for who gets it)."""
+    axis, st = inp.axis_of(pos), c.staged
+    i = st.n_outs + j
+    name = st.out_names[i]
+    src = None if pg is None else c.runner.rank_of(st.producer[name])
+    g = None
+    if pg is None or src == pg.rank:
+        g = results.sums.get(i) if axis is None else torch.cat([r[i] for r in results.per_mb], dim=axis)
+    if pg is None:
+        return g
+    users = {c.runner.rank_of(p) for p in st.consumers.get((st.param_inputs + st.data_inputs)[pos], [])}
+    is_param = pos < len(inp.param_leaves)
+    if is_param and len(users | {src}) == 1:
+        return g
+    if g is None:
+        shape, dtype = st.meta[name]
+        if axis is not None:
+            shape = torch.Size([d * m if k == axis else d for k, d in enumerate(shape)])
+        g = torch.empty(shape, dtype=dtype, device=pg.device)
+    g = pg.broadcast(g.contiguous(), src, timeout, f"receiving a gradient from rank {src}")  # type: ignore[arg-type]
+    return g if (not is_param or pg.rank in users) else None
+
+
+def _rebuild_grad_tree(inp: Inputs, num: int, grads: list[torch.Tensor | None]) -> Any:
+    if num == 0:
+        out = tree.unflatten(grads, inp.param_spec)
+        return {k: v for k, v in out.items() if v is not None} if isinstance(out, dict) else out
+    leaf_ids, spec = tree.flatten(inp.args_template()[num - 1])
+    it = iter(grads)
+    return tree.unflatten([next(it) if inp.is_tensor[i] else None for i in leaf_ids], spec)
+
+
+# -- who owns what ------------------------------------------------------------------------------
+
+
+def local_inputs(pg: PPGroup | None, c: Compiled, names: list[str]) -> set[int]:
+    """Positions of the inputs in `names` that this rank's programs read."""
+    if pg is None:
+        return set(range(len(names)))
+    return {
+        i
+        for i, n in enumerate(names)
+        if any(c.runner.rank_of(p) == pg.rank for p in c.staged.consumers.get(n, []))
+    }
+
+
+def param_owner(cache: dict[Any, Compiled]) -> dict[str, int]:
+    """For a params dict: the lowest pipeline rank that uses each parameter (from the compiled
+    programs); a parameter several ranks share is counted by its owner alone."""
+    out: dict[str, int] = {}
+    for c in cache.values():
+        keys = c.param_keys
+        for i, name in enumerate(c.staged.param_inputs):
+            ranks = [c.runner.rank_of(p) for p in c.staged.consumers.get(name, [])]
+            if ranks and i < len(keys):
+                out[keys[i]] = min(ranks)
+    return out
+
+
+def local_stages(pg: PPGroup | None, c: Compiled | None) -> list[int]:
+    """The stages this rank runs (all of them in one process)."""
+    if c is None:
+        return []
+    rank = pg.rank if pg is not None else None
+    return [s for s, r in enumerate(c.runner.schedule.stage_rank) if rank is None or r == rank]

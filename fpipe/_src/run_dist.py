@@ -37,7 +37,7 @@ import torch.distributed as dist
 from .comm import CommGroup, CommPlan, Transfer, comm_plan
 from .dist import PeerFailure, PPGroup, SendReaper, exit_hard_after_failure
 from .run import Results, Timeline, action_place, outputs_by_program, release, run_program
-from .schedule import Action, Schedule
+from .schedule_data import Action, Schedule
 from .simulate import validate_comm
 from .split import Place, Program, Staged, backward_parts
 

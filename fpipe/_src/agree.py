@@ -24,7 +24,7 @@ import torch.fx as fx
 
 from .dist import PPGroup
 from .schedule_data import Schedule
-from .split import Program, Staged
+from .staged import Program, Staged
 
 __all__ = ["fingerprint", "gather_digests", "check_same_program"]
 

@@ -19,7 +19,7 @@ from torch.profiler import record_function
 
 from .rng import set_microbatch
 from .schedule_data import Action, Schedule, execution_order
-from .split import Place, Staged
+from .staged import Place, Staged
 
 aten = torch.ops.aten
 

@@ -3,16 +3,20 @@
 A schedule is a value: per rank, the ordered actions (`F` forward, `B` full backward, `I`
 input-gradient backward, `W` weight-gradient backward) over (stage, microbatch), plus which rank
 holds each stage. See docs/SCHEDULES.md.
+
+Importing `render` here also installs it as what `Schedule.render` calls; fpipe/__init__.py
+imports this module, so that holds in every process that imports fpipe (NOTE [schedule layering]
+in fpipe/_src/schedule_data.py).
 """
 
 from ._src.render import render as render
 from ._src.render import to_svg as to_svg
-from ._src.schedule import Action as Action
-from ._src.schedule import Schedule as Schedule
 from ._src.schedule import build as build
 from ._src.schedule import names as names
-from ._src.schedule import parse as parse
 from ._src.schedule import register as register
+from ._src.schedule_data import Action as Action
+from ._src.schedule_data import Schedule as Schedule
+from ._src.schedule_data import parse as parse
 from ._src.simulate import Simulation as Simulation
 from ._src.simulate import dependencies as dependencies
 from ._src.simulate import simulate as simulate

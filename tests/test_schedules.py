@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import doctest
+import os
 import pathlib
+import subprocess
+import sys
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -373,6 +376,15 @@ def test_render_ascii():
             "rank 1 .....|F1.0|I1.0|F1.1|I1.1|W1.0|W1.1|"
         )
     )
+
+
+def test_render_method_works_when_only_the_schedule_data_module_is_imported():
+    """`Schedule.render` calls the renderer render.py installs (NOTE [schedule layering] in
+    schedule_data.py); importing any fpipe module imports fpipe.schedules and so installs it."""
+    code = "from fpipe._src.schedule_data import parse\nprint(parse('rank 0: F0.0 B0.0').render())"
+    env = {**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).resolve().parents[1])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.splitlines()[1] == "rank 0 |F0.0|B0.0     |"
 
 
 def test_render_scales_to_the_shortest_action():

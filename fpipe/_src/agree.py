@@ -23,8 +23,8 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from .dist import PPGroup
-from .schedule import Schedule
-from .split import Program, Staged
+from .schedule_data import Schedule
+from .staged import Program, Staged
 
 __all__ = ["fingerprint", "gather_digests", "check_same_program"]
 

@@ -30,7 +30,7 @@ import dataclasses
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Sequence
 
-from .schedule import Action, Schedule, execution_order
+from .schedule_data import Action, Schedule, execution_order
 
 __all__ = ["CommGroup", "CommPlan", "Transfer", "chain_plan", "comm_plan", "stream_deadlock"]
 

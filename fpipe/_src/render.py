@@ -2,6 +2,10 @@
 
 Both pictures place each action where `simulate` says it runs, one row per rank, so the idle
 gaps (the bubble) show where they fall. Costs are passed through to `simulate`.
+
+Importing this module installs `render` as what `Schedule.render(**costs)` calls
+(`schedule_data.set_renderer`): schedule_data.py cannot import this module, which builds on
+`simulate` and so on schedule_data (NOTE [schedule layering] in schedule_data.py).
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from .schedule import Action, Schedule
+from .schedule_data import Action, Schedule, set_renderer
 from .simulate import Simulation, simulate
 
 __all__ = ["render", "to_svg"]
@@ -169,3 +173,6 @@ def _document(width: float, height: float, parts: list[str]) -> str:
         "\n".join([head, f'<rect width="{width:.0f}" height="{height:.0f}" fill="white"/>', *parts, "</svg>"])
         + "\n"
     )
+
+
+set_renderer(render)  # `Schedule.render` calls it: NOTE [schedule layering] in schedule_data.py

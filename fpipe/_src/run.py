@@ -18,8 +18,8 @@ import torch.fx as fx
 from torch.profiler import record_function
 
 from .rng import set_microbatch
-from .schedule import Action, Schedule, execution_order
-from .split import Place, Staged
+from .schedule_data import Action, Schedule, execution_order
+from .staged import Place, Staged
 
 aten = torch.ops.aten
 

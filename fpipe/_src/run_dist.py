@@ -15,7 +15,7 @@ of deadlock. On gloo, whose operations complete independently, the receives of t
 are posted one group early too, so transfers overlap compute; `FPIPE_EMULATE_NCCL_ORDER=1`
 instead issues each group only once the previous one completed (NCCL's order, for the tests).
 
-A full backward B whose outputs go to another rank runs as its two halves (`split.backward_parts`):
+A full backward B whose outputs go to another rank runs as its two halves (`split_iw.backward_parts`):
 the input-gradient part, then the send of its outputs, then the weight-gradient part. The schedule
 and the work are the same; the previous stage gets its gradient one weight-gradient pass sooner
 (1F1B's critical path runs through those sends). The timeline names the halves `B1.0` and
@@ -37,9 +37,10 @@ import torch.distributed as dist
 from .comm import CommGroup, CommPlan, Transfer, comm_plan
 from .dist import PeerFailure, PPGroup, SendReaper, exit_hard_after_failure
 from .run import Results, Timeline, action_place, outputs_by_program, release, run_program
-from .schedule import Action, Schedule
+from .schedule_data import Action, Schedule
 from .simulate import validate_comm
-from .split import Place, Program, Staged, backward_parts
+from .split_iw import backward_parts
+from .staged import Place, Program, Staged
 
 __all__ = ["DistRunner", "EMULATE_NCCL_ORDER"]
 

@@ -22,7 +22,7 @@ import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 
 from .comm import CommPlan, chain_plan, stream_deadlock
-from .schedule import Action, Schedule
+from .schedule_data import Action, Schedule
 
 __all__ = ["Simulation", "dependencies", "simulate", "validate", "validate_comm"]
 

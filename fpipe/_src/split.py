@@ -23,11 +23,14 @@ the skip connections and the saved activations: explicit names that the runtime 
   with the forward work that follows it in program order. Any other node whose value reaches no
   output (a detach the tracer left, work on a marker element nobody reads) is dropped first, so
   it neither runs nor pulls values across stages.
+
+The data this makes (`Place`, `Program`, `Staged`) is defined in staged.py; splitting a backward
+program into I and W for zero-bubble schedules (`split_backward`, `backward_parts`) is in
+split_iw.py. Both are re-exported here.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import operator
 from collections import defaultdict
 from collections.abc import Iterable
@@ -39,70 +42,16 @@ from torch._prims_common import is_non_overlapping_and_dense_or_false
 
 from .marker import BOUNDARY, BOUNDARY_BWD
 from .rng import is_random, seeded
+from .split_iw import backward_parts, split_backward  # re-exported: split and split_backward go together
+from .staged import Place, Program, Staged
 from .trace import Joint, is_mutating
 
-__all__ = ["Place", "Program", "Staged", "backward_parts", "split"]
-
-Place = tuple[str, int]  # ("F" | "B", stage)
-_ORDER = {"F": 0, "B": 1, "I": 2, "W": 3}
+__all__ = ["Place", "Program", "Staged", "backward_parts", "count_stages", "split", "split_backward"]
 
 
 def _seq(p: Place, n_stages: int) -> int:
     """Position of a place in one microbatch's order: F0 < F1 < ... < B(n-1) < ... < B0."""
     return p[1] if p[0] == "F" else 2 * n_stages - 1 - p[1]
-
-
-@dataclasses.dataclass
-class Program:
-    """One stage's piece of the joint graph: `gm(*inputs) -> outputs` (both lists of names).
-    `compile`: None, or `torch.compile`'s keyword arguments: the runtime then runs `gm` (or a
-    variant of it) compiled, each at its first run."""
-
-    place: Place
-    gm: fx.GraphModule
-    inputs: list[str]
-    outputs: list[str]
-    compile: dict[str, Any] | None = None
-
-    @property
-    def n_nodes(self) -> int:
-        return sum(1 for n in self.gm.graph.nodes if n.op == "call_function")
-
-
-@dataclasses.dataclass
-class Staged:
-    """A joint graph cut into programs, with the bookkeeping the runtime needs."""
-
-    n_stages: int
-    programs: dict[Place, Program]
-    param_inputs: list[str]  # placeholder names, in flat order
-    data_inputs: list[str]
-    const_inputs: list[str]
-    ct_input: str
-    out_names: list[str]  # joint outputs: values first, then gradients
-    n_outs: int
-    producer: dict[str, Place]  # which program computes each non-input value
-    consumers: dict[str, list[Place]]  # which programs read each value
-    meta: dict[str, tuple[torch.Size, torch.dtype]]
-    # Values traced with a non-contiguous layout (a transpose): a rank that receives one lays it
-    # out the same way, since the program may view it in a way only that layout allows.
-    strides: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
-
-    def place_inputs(self, place: Place) -> list[str]:
-        return self.programs[place].inputs if place in self.programs else []
-
-    def deps(self, place: Place) -> set[Place]:
-        """The programs (same microbatch) whose outputs `place` reads."""
-        return {self.producer[v] for v in self.place_inputs(place) if v in self.producer}
-
-    def describe(self) -> str:
-        lines = []
-        for place in sorted(self.programs, key=lambda p: (_ORDER[p[0]], p[1])):
-            prog = self.programs[place]
-            lines.append(
-                f"{place[0]}{place[1]}: {prog.n_nodes} ops, {len(prog.inputs)} inputs, {len(prog.outputs)} outputs"
-            )
-        return "\n".join(lines)
 
 
 def _marker_getitem(node: fx.Node) -> tuple[str, fx.Node] | None:
@@ -423,104 +372,3 @@ def _program(
     graph.eliminate_dead_code(is_impure_node=lambda n: n.op in ("placeholder", "output") or is_mutating(n))
     gm = fx.GraphModule({}, graph)
     return Program(place, gm, inputs, outputs)
-
-
-# NOTE [splitting the backward for zero-bubble schedules]
-# A stage's backward program B computes two kinds of output: gradients that other stages wait
-# for (the input gradients, on the critical path) and the gradients of its own weights (which
-# nothing waits for until the step ends). Dead-code elimination per output set splits B into
-# I (everything the input gradients need) and W (the rest of what the weight gradients need).
-# The intermediates both need are computed once, in I, and handed to W as saved values: no
-# recomputation, at the price of holding them from I until W runs -- the memory a zero-bubble
-# schedule trades for its smaller bubble. No per-layer custom autograd is involved: any function
-# that traces splits this way.
-
-
-def split_backward(staged: Staged, stages: Iterable[int]) -> Staged:
-    """Replace B of each stage in `stages` by an I (input-gradient) and a W (weight) program."""
-    programs = dict(staged.programs)
-    producer = dict(staged.producer)
-    consumers = {k: list(v) for k, v in staged.consumers.items()}
-    for s in stages:
-        prog = programs.pop(("B", s), None)
-        if prog is None:
-            continue
-        i_prog, w_prog = _split_program(prog, staged)
-        for sub in (i_prog, w_prog):
-            programs[sub.place] = sub
-            for name in sub.outputs:
-                producer[name] = sub.place
-        for name, places in consumers.items():
-            if ("B", s) in places:
-                places.remove(("B", s))
-                places.extend(p.place for p in (i_prog, w_prog) if name in p.inputs)
-        for name in i_prog.outputs:
-            if name in w_prog.inputs:
-                consumers.setdefault(name, []).append(w_prog.place)
-    return dataclasses.replace(staged, programs=programs, producer=producer, consumers=consumers)
-
-
-def backward_parts(staged: Staged, place: Place) -> tuple[Program, Program] | None:
-    """The B program at `place` as its I and W parts (see the NOTE above), or None when the W
-    part would be empty. The runtime can run them back to back and send I's outputs in between."""
-    i_prog, w_prog = _split_program(staged.programs[place], staged)
-    if not w_prog.outputs or not any(n.op == "call_function" for n in w_prog.gm.graph.nodes):
-        return None
-    return i_prog, w_prog
-
-
-def _split_program(prog: Program, staged: Staged) -> tuple[Program, Program]:
-    """I and W of `prog` (compiled alike)."""
-    s = prog.place[1]
-    grads = set(staged.out_names[staged.n_outs :])
-    graph = prog.gm.graph
-    out_nodes = list(graph.find_nodes(op="output")[0].args[0])  # type: ignore[arg-type]
-    by_name = dict(zip(prog.outputs, out_nodes))
-    elsewhere = {n for n in prog.outputs if any(c != prog.place for c in staged.consumers.get(n, []))}
-    w_outs = [n for n in prog.outputs if n in grads and n not in elsewhere]
-    i_outs = [n for n in prog.outputs if n not in w_outs]
-    need_i = _ancestors([by_name[n] for n in i_outs] + [n for n in graph.nodes if is_mutating(n)])
-    need_w = _ancestors([by_name[n] for n in w_outs])
-    w_nodes = [n for n in graph.nodes if n in need_w and n not in need_i and n.op != "placeholder"]
-    handed = [
-        n for n in graph.nodes if n in need_i and n.op != "placeholder" and any(u in w_nodes for u in n.users)
-    ]
-    i_prog = _subprogram(
-        ("I", s), [n for n in graph.nodes if n in need_i], i_outs + [n.name for n in handed], by_name
-    )
-    w_prog = _subprogram(("W", s), w_nodes, w_outs, by_name)
-    i_prog.compile = w_prog.compile = prog.compile
-    return i_prog, w_prog
-
-
-def _ancestors(roots: list[Any]) -> set[fx.Node]:
-    seen: set[fx.Node] = set()
-    stack = [r for r in roots if isinstance(r, fx.Node)]
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-    return seen
-
-
-def _subprogram(place: Place, nodes: list[fx.Node], outputs: list[str], by_name: dict[str, Any]) -> Program:
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    inputs: list[str] = []
-
-    def arg(d: fx.Node) -> fx.Node:
-        if d not in env:
-            env[d] = graph.placeholder(d.name)
-            env[d].meta.update(d.meta)
-            inputs.append(d.name)
-        return env[d]
-
-    for node in nodes:
-        if node.op == "placeholder":
-            arg(node)
-        else:
-            env[node] = graph.node_copy(node, arg)
-    local = {n.name: n for n in nodes}
-    graph.output([env[local[o]] if o in local else env[by_name[o]] for o in outputs])
-    return Program(place, fx.GraphModule({}, graph), inputs, outputs)

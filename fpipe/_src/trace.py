@@ -255,7 +255,7 @@ def _refuse_custom_autograd(call: str, outs: Sequence[Any]) -> None:
     differentiates those ops: a custom backward (a straight-through estimator, gradient
     reversal) would be silently replaced by the true derivative. Until the joint trace calls the
     user's backward, such a function is an error, not a wrong gradient. The trace runs with the
-    inputs to be differentiated requiring grad (`_wanting_grad` in api.py), so each Function a
+    inputs to be differentiated requiring grad (`_wanting_grad` in compiler.py), so each Function a
     gradient passes through left its backward node on the outputs' autograd graph; the walk
     finds the user's ones (fpipe's markers and torch's own Functions are fine).
     """

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from .dist import PPGroup
+from .inputs import Inputs, tensor_key
 from .schedule_data import Schedule
 from .staged import Program, Staged
 
@@ -189,3 +190,29 @@ def check_same_signature(
             "rank must pass inputs of the same signature (a rank that does not use an input may "
             f"pass a meta tensor of the same shape). This rank's data shapes: {shapes}."
         )
+
+
+def check_same_slices(
+    call: str, dp: PPGroup, key: Any, inp: Inputs, names: list[str], timeout: float
+) -> None:
+    """Every replica must pass slices of one signature: compare the trace keys over dp (one
+    all-gather of two numbers per call); on a difference, name the ranks and the first argument
+    that differs (a second all-gather, on every replica alike)."""
+    leaves = [repr(tensor_key(t, t.device.type)) for t in inp.data_leaves]
+    every = gather_digests(dp, [digest(repr(key)), len(leaves)], timeout, "comparing the replicas' inputs")
+    differ = odd_ranks([tuple(v) for v in every])
+    if differ is None:
+        return
+    where = "the arguments' structure or non-tensor values"
+    if len({v[1] for v in every}) == 1 and leaves:
+        per = gather_digests(dp, [digest(x) for x in leaves], timeout, "naming the differing argument")
+        odd = [j for j in range(len(leaves)) if odd_ranks([p[j] for p in per]) is not None]
+        if odd:
+            j = odd[0]
+            where = f"argument {names[j]} (this rank's: shape {tuple(inp.data_leaves[j].shape)}, {inp.data_leaves[j].dtype})"
+    ranks = [[dp.global_rank(r) for r in side] for side in differ]
+    raise ValueError(
+        f"{call}: data-parallel ranks {ranks[0]} were called with inputs that differ from ranks "
+        f"{ranks[1]} in {where}; every replica must pass a slice of the global batch of the same "
+        "shape (split the global batch evenly over the 'dp' dimension)."
+    )

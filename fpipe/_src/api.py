@@ -19,7 +19,8 @@ from . import inputs as inputs_
 from . import outputs, tree
 from .compiler import Compiled, Compiler
 from .config import Config
-from .dist import DEFAULT_TIMEOUT, PeerFailure, PPGroup, pp_group
+from .dist import DEFAULT_TIMEOUT, PeerFailure, PPGroup
+from .replicas import Groups, mesh_groups
 from .run import Results, Timeline
 from .schedule import Schedule
 
@@ -35,8 +36,6 @@ class Pipelined:
 
     def __init__(self, f: Callable[..., Any], **settings: Any) -> None:
         self.cfg = Config(f, **settings)
-        self._pg: PPGroup | None | bool = False  # False: not looked up yet
-        self._plans: Compiler | None = None
         self._steps = 0
         self._last: Compiled | None = None
         self._busy = threading.Lock()  # one call at a time (see _guarded)
@@ -45,15 +44,20 @@ class Pipelined:
     @property
     def pg(self) -> PPGroup | None:
         """The pipeline process group (None when every stage runs in this process)."""
-        if self._pg is False:
-            self._pg = pp_group(self.cfg.mesh, self.cfg.timeout)
-        return self._pg  # type: ignore[return-value]
+        return self._groups.pp
 
     @property
+    def dp(self) -> PPGroup | None:
+        """The data-parallel group: the mesh's "dp" dimension (None without replicas)."""
+        return self._groups.dp
+
+    @functools.cached_property
+    def _groups(self) -> Groups:  # looked up at the first use (may start the process group)
+        return mesh_groups(self.cfg.mesh, self.cfg.timeout)
+
+    @functools.cached_property
     def _compiler(self) -> Compiler:
-        if self._plans is None:
-            self._plans = Compiler(self.cfg, self.pg)
-        return self._plans
+        return Compiler(self.cfg, self.pg, self.dp)
 
     @property
     def _cache(self) -> dict[Any, Compiled]:
@@ -73,8 +77,7 @@ class Pipelined:
         self, params: Any, args: Args, kwargs: Kwargs, grad_of: tuple[int, ...] | None, has_aux: bool
     ) -> tuple[inputs_.Inputs, list[list[torch.Tensor]], Compiled]:
         """The call's inputs, split into microbatches, and the plan for their signature."""
-        if self.pg is not None:
-            self.pg.begin_call()
+        self._groups.begin_call()
         inp = inputs_.flatten(self.cfg, params, args, kwargs)
         mbs = inputs_.split(self.cfg, inp)
         return inp, mbs, self._compiler.get(inp, mbs[0], grad_of, has_aux)
@@ -83,7 +86,7 @@ class Pipelined:
         self, inp: inputs_.Inputs, mbs: list[list[torch.Tensor]], c: Compiled, ct: float | None
     ) -> Results:
         self._steps += 1
-        results = execute_.execute(self.cfg, self.pg, inp, mbs, c, ct, self._steps)
+        results = execute_.execute(self.cfg, self.pg, self.dp, inp, mbs, c, ct, self._steps)
         self._last = c
         return results
 
@@ -97,13 +100,13 @@ class Pipelined:
     ) -> Any:
         nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
         inp, mbs, c = self._get(params, args, kwargs, nums, has_aux)
-        results = self._run(inp, mbs, c, 1.0 / self.cfg.microbatches if c.reductions[0] == "mean" else 1.0)
+        results = self._run(inp, mbs, c, outputs.cotangent(c, self.cfg.microbatches * self._groups.replicas))
         value = tree.unflatten(self._values(c, results), c.out_spec)
         grads = outputs.grads(self.pg, inp, c, results, nums, self.cfg.timeout)
         return value, (grads[0] if isinstance(argnums, int) else tuple(grads))
 
     def _values(self, c: Compiled, results: Results) -> list[torch.Tensor]:
-        return outputs.values(self.pg, c, results.per_mb, self.cfg.microbatches, self.cfg.timeout)
+        return outputs.values(self.pg, self.dp, c, results.per_mb, self.cfg.microbatches, self.cfg.timeout)
 
     def _guarded(self, fn: Callable[..., Any], params: Any, args: Args, kwargs: Kwargs, *rest: Any) -> Any:
         """Run `fn`, one call at a time; in a process group, a failure here is reported so
@@ -119,8 +122,7 @@ class Pipelined:
         except (PeerFailure, TimeoutError):
             raise
         except BaseException as err:
-            if self.pg is not None:
-                self.pg.report_failure(f"rank {self.pg.rank} failed: {type(err).__name__}: {err}")
+            self._groups.report_failure(err)
             raise
         finally:
             self._busy.release()

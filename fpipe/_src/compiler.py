@@ -20,7 +20,14 @@ from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 
 from . import inputs as inputs_
 from . import tree
-from .agree import check_same_program, check_same_signature, digest, fingerprint, graph_text
+from .agree import (
+    check_same_program,
+    check_same_signature,
+    check_same_slices,
+    digest,
+    fingerprint,
+    graph_text,
+)
 from .config import REDUCTIONS, Config
 from .dist import PPGroup
 from .inputs import Inputs
@@ -58,8 +65,8 @@ Key = tuple[Any, ...]
 class Compiler:
     """Compiles a pipeline's function per input signature and keeps the plans (`cache`)."""
 
-    def __init__(self, cfg: Config, pg: PPGroup | None) -> None:
-        self.cfg, self.pg = cfg, pg
+    def __init__(self, cfg: Config, pg: PPGroup | None, dp: PPGroup | None = None) -> None:
+        self.cfg, self.pg, self.dp = cfg, pg, dp
         self.cache: dict[Key, Compiled] = {}
         self._measured: dict[Key, list[float]] = {}  # see _measured_costs
 
@@ -71,6 +78,9 @@ class Compiler:
         if self.pg is not None:
             shapes = [tuple(t.shape) for t in inp.data_leaves]
             check_same_signature(self.cfg.call, self.pg, key, shapes, self.cfg.timeout)
+        if self.dp is not None:
+            names = inputs_.leaf_names(self.cfg.f, inp.data_spec, inp.is_tensor)
+            check_same_slices(self.cfg.call, self.dp, key, inp, names, self.cfg.timeout)
         compiled = self.cache.get(key)
         if compiled is None:
             # Trace outside any active torch.func transform (grad(piped), vmap(piped)): the

@@ -360,6 +360,11 @@ def pp_group(mesh: Any = None, timeout: float = DEFAULT_TIMEOUT) -> PPGroup | No
                 return None
             _init_from_env(timeout)
         group = dist.group.WORLD
+    return group_of(group)
+
+
+def group_of(group: Any) -> PPGroup | None:
+    """A `PPGroup` over a process group (a dimension of the pipeline's mesh); None at size 1."""
     size = dist.get_world_size(group)
     if size == 1:
         return None

@@ -18,6 +18,7 @@ from .config import Config
 from .dist import PPGroup
 from .inputs import Inputs, device_of
 from .outputs import local_inputs
+from .replicas import GradReducer
 from .rng import set_step
 from .run import Results
 
@@ -25,13 +26,16 @@ from .run import Results
 def execute(
     cfg: Config,
     pg: PPGroup | None,
+    dp: PPGroup | None,
     inp: Inputs,
     mbs: list[list[torch.Tensor]],
     c: Compiled,
     ct: float | None,
     step: int,
 ) -> Results:
-    """Run step number `step` (1, 2, ...) of plan `c`; `ct` is the loss cotangent (None: forward only)."""
+    """Run step number `step` (1, 2, ...) of plan `c`; `ct` is the loss cotangent (None: forward
+    only). With data-parallel replicas (`dp`), gradient sums come back summed over them
+    (NOTE [gradients over replicas] in replicas.py)."""
     st = c.staged
     check_local_params(cfg, pg, inp, c)
     glob = dict(zip(st.param_inputs, inp.param_leaves))
@@ -45,8 +49,13 @@ def execute(
     # history as well, for inputs that require grad, would keep every program's intermediates
     # alive for the whole step. Under a torch.func transform, the transform decides.
     explicit = ct is not None and torch._C._functorch.peek_interpreter_stack() is None
+    reducer = (
+        None if dp is None or ct is None else GradReducer(dp, c, c.runner.local_actions, summed, cfg.timeout)
+    )
     with torch.no_grad() if explicit else contextlib.nullcontext():
-        results = c.runner.run(glob, data, summed)
+        results = c.runner.run(glob, data, summed, after=reducer.after if reducer else None)
+        if reducer is not None:
+            reducer.finish(results)
     trace = os.environ.get("FPIPE_TRACE")
     if trace:
         c.runner.timeline.write(f"{trace}.rank{pg.rank if pg else 0}.json")

@@ -21,13 +21,22 @@ from . import tree
 from .compiler import Compiled
 from .dist import PPGroup
 from .inputs import Inputs
+from .replicas import reduce_values
 from .run import Results
 
 
 def values(
+    pg: PPGroup | None, dp: PPGroup | None, c: Compiled, results: list[list[Any]], m: int, timeout: float
+) -> list[torch.Tensor]:
+    """Reduce each value output over microbatches; in a group, broadcast it from its rank; with
+    replicas, reduce the scalar ones over them (NOTE [gradients over replicas])."""
+    out = _values(pg, c, results, m, timeout)
+    return out if dp is None else reduce_values(dp, out, c.reductions[: len(out)], timeout)
+
+
+def _values(
     pg: PPGroup | None, c: Compiled, results: list[list[Any]], m: int, timeout: float
 ) -> list[torch.Tensor]:
-    """Reduce each value output over microbatches; in a group, broadcast it from its rank."""
     n = c.staged.n_outs
     if pg is None:
         return reduce([r[:n] for r in results], c.reductions)
@@ -42,6 +51,11 @@ def values(
             )
         out.append(pg.broadcast(val, src, timeout, f"receiving output {i} from rank {src}"))
     return out
+
+
+def cotangent(c: Compiled, parts: int) -> float:
+    """The loss cotangent: 1/parts for a 'mean' loss over `parts` microbatches (x replicas), else 1."""
+    return 1.0 / parts if c.reductions[0] == "mean" else 1.0
 
 
 def reduce(per_mb: list[list[torch.Tensor]], reductions: Sequence[str | int]) -> list[torch.Tensor]:

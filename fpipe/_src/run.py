@@ -316,6 +316,11 @@ class LocalRunner:
         self.record_memory = False
         self.memory: list[tuple[str, int]] = []
 
+    @property
+    def local_actions(self) -> list[Action]:
+        """The actions this process runs, in order."""
+        return list(self.order)
+
     def rank_of(self, place: Place) -> int:
         return self.schedule.stage_rank[place[1]]
 
@@ -327,8 +332,10 @@ class LocalRunner:
         glob: dict[str, torch.Tensor],
         data: Sequence[dict[str, torch.Tensor]],
         summed: frozenset[int] = frozenset(),
+        after: Callable[[Action, Results], None] | None = None,
     ) -> Results:
-        """Run all actions. `glob` holds params, consts and ct; `data[m]` microbatch m's inputs.
+        """Run all actions. `glob` holds params, consts and ct; `data[m]` microbatch m's inputs;
+        `after(action, results)` is called after each action this process runs.
 
         Returns, per microbatch, the joint graph's outputs (values, then gradients).
         """
@@ -347,6 +354,8 @@ class LocalRunner:
             rank = self.schedule.stage_rank[a.stage]
             run_program(prog, a, rank, envs[a.mb], glob, self.timeline, self._out_index, results)
             release(prog, envs[a.mb], left[a.mb])
+            if after is not None:
+                after(a, results)
             if self.record_memory:
                 self.memory.append((str(a), live_bytes(envs, inputs)))
         for m, row in enumerate(results.per_mb):  # outputs that are inputs (f returns an argument)

@@ -28,7 +28,7 @@ import functools
 import os
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -77,6 +77,11 @@ class DistRunner:
         self.timeline = Timeline()
         self._out_index = outputs_by_program(staged, lambda place: self.rank_of(place) == self.rank)
         self.b_parts = self._plan_backward_parts()
+
+    @property
+    def local_actions(self) -> list[Action]:
+        """The actions this process runs, in order."""
+        return list(self.actions)
 
     def rank_of(self, place: Place) -> int:
         return self.schedule.stage_rank[place[1]]
@@ -143,6 +148,7 @@ class DistRunner:
         glob: dict[str, torch.Tensor],
         data: Sequence[dict[str, torch.Tensor]],
         summed: frozenset[int] = frozenset(),
+        after: Callable[[Action, Results], None] | None = None,
     ) -> Results:
         n_out = len(self.staged.out_names)
         results = Results(len(data), n_out, summed, glob.values())
@@ -158,6 +164,8 @@ class DistRunner:
                 if self.need[a]:
                     self.timeline.add(f"wait {a}", self.rank, start, time.perf_counter(), "wait")
                 self._step(a, st, glob, results)
+                if after is not None:
+                    after(a, results)
             self.reaper.drain()
         except (PeerFailure, TimeoutError):
             raise

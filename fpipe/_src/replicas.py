@@ -1,0 +1,141 @@
+"""Data parallelism: replicas of the pipeline over the mesh's "dp" dimension.
+
+# NOTE [gradients over replicas]
+Each rank passes its own dp slice of the global batch (the torchrun/DDP convention). A step
+returns the global loss (the mean over replicas for a 'mean' loss, the sum for 'sum') and the
+gradients of the global loss: the loss cotangent is 1/(M x dp) for a 'mean' loss (1 for 'sum'),
+so each replica's gradient sums are its share of the global gradient, and they are summed over
+dp by all-reduces in buckets of at most `BUCKET_BYTES`. A bucket is launched asynchronously
+right after the last action of this rank that writes its gradients (the stage's last B or W),
+so it travels while other stages compute and the pipeline drains; the step waits for them only
+before it returns. Outputs concatenated over microbatches (per-example values) stay this
+replica's own slice. Every replica reduces the same buckets in the same order, so the
+collectives match.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from .compiler import Compiled
+from .dist import PPGroup, group_of, pp_group
+from .run import Results, action_place
+from .schedule_data import Action
+
+BUCKET_BYTES = 25 * 2**20
+MESH_DIMS = ("dp", "pp")
+
+
+@dataclasses.dataclass
+class Groups:
+    """The pipeline's process groups: "pp" (stages) and "dp" (replicas); None where absent."""
+
+    pp: PPGroup | None
+    dp: PPGroup | None
+
+    def each(self) -> list[PPGroup]:
+        return [g for g in (self.pp, self.dp) if g is not None]
+
+    @property
+    def replicas(self) -> int:
+        return self.dp.size if self.dp is not None else 1
+
+    def begin_call(self) -> None:
+        for g in self.each():
+            g.begin_call()
+
+    def report_failure(self, err: BaseException) -> None:
+        for g in self.each():
+            g.report_failure(f"rank {g.rank} failed: {type(err).__name__}: {err}")
+
+
+def mesh_groups(mesh: Any, timeout: float) -> Groups:
+    """The pipeline group and the data-parallel group of `mesh` (all ranks form one pipeline
+    without a mesh)."""
+    if mesh is None:
+        return Groups(pp_group(None, timeout), None)
+    names = tuple(mesh.mesh_dim_names or ())
+    unknown = [n for n in names if n not in MESH_DIMS]
+    if unknown or "pp" not in names:
+        raise ValueError(
+            f"pipeline(mesh=...): the mesh has dimensions {names}; fpipe needs one named 'pp' and "
+            f"knows {list(MESH_DIMS)} (unknown: {unknown}). Build it with, e.g., "
+            "init_device_mesh(device, (dp, pp), mesh_dim_names=('dp', 'pp'))."
+        )
+    return Groups(pp_group(mesh, timeout), group_of(mesh.get_group("dp")) if "dp" in names else None)
+
+
+class GradReducer:
+    """Sums one step's gradient sums over dp, bucket by bucket, as soon as each is final."""
+
+    def __init__(self, dp: PPGroup, c: Compiled, local: list[Action], summed: frozenset[int], timeout: float):
+        self.dp, self.timeout = dp, timeout
+        st, last = c.staged, {action_place(a): a for a in local}  # each place's last action here
+        self.at: dict[Action, list[int]] = {}
+        for i in sorted(summed):
+            a = last.get(st.producer.get(st.out_names[i]))  # type: ignore[arg-type]
+            self.at.setdefault(a, []).append(i)  # type: ignore[arg-type]
+        self.pending: list[tuple[Any, torch.Tensor, list[int]]] = []
+
+    def after(self, a: Action, results: Results) -> None:
+        """The runner's hook: launch the buckets whose gradients `a` finished."""
+        if a in self.at:
+            self._launch(self.at.pop(a), results)
+
+    def finish(self, results: Results) -> None:
+        """Launch what no action finished (inputs returned as outputs), wait, store the sums."""
+        for idx in list(self.at.values()):
+            self._launch(idx, results)
+        self.at.clear()
+        for work, flat, idx in self.pending:
+            what = f"summing gradients over {self.dp.size} data-parallel replicas"
+            self.dp.wait_all([work], self.timeout, functools.partial(str, what), poll=True)
+            tensors = [results.sums[i] for i in idx]
+            for i, t in zip(idx, _unflatten_dense_tensors(flat, tensors)):
+                results.sums[i] = t
+        self.pending.clear()
+
+    def _launch(self, idx: list[int], results: Results) -> None:
+        present = [i for i in idx if results.sums.get(i) is not None]
+        for bucket in _buckets(present, results.sums):
+            flat = _flatten_dense_tensors([results.sums[i] for i in bucket])
+            work = dist.all_reduce(flat, group=self.dp.group, async_op=True)
+            self.pending.append((work, flat, bucket))
+
+
+def _buckets(idx: list[int], sums: dict[int, torch.Tensor]) -> list[list[int]]:
+    """`idx` in buckets of one dtype and at most BUCKET_BYTES each (a larger tensor alone)."""
+    done: list[list[int]] = []
+    filling: dict[torch.dtype, tuple[list[int], list[int]]] = {}  # dtype -> (bucket, [bytes])
+    for i in idx:
+        t = sums[i]
+        n = t.numel() * t.element_size()
+        bucket, size = filling.get(t.dtype, ([], [0]))
+        if bucket and size[0] + n > BUCKET_BYTES:
+            done.append(bucket)
+            bucket, size = [], [0]
+        bucket.append(i)
+        size[0] += n
+        filling[t.dtype] = (bucket, size)
+    return done + [b for b, _ in filling.values()]
+
+
+def reduce_values(
+    dp: PPGroup, vals: list[torch.Tensor], reductions: list[str | int], timeout: float
+) -> list[torch.Tensor]:
+    """The global value of each output reduced over microbatches by 'mean' or 'sum'."""
+    out = []
+    for v, r in zip(vals, reductions):
+        if r in ("mean", "sum"):
+            v = v.clone()
+            work = dist.all_reduce(v, group=dp.group, async_op=True)
+            dp.wait_all([work], timeout, functools.partial(str, "summing outputs over replicas"), poll=True)
+            v = v / dp.size if r == "mean" else v
+        out.append(v)
+    return out

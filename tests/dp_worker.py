@@ -1,0 +1,173 @@
+"""Data x pipeline parallel worker for `tests/test_dp.py`: 4 ranks under torchrun, a ("dp", "pp")
+mesh of 2 x 2. Every rank draws the same global batch and passes its dp slice; each case compares
+the loss and this rank's gradients with `torch.func.grad_and_value` of the unsplit function over
+the *global* batch (fp64), and gathers them over dp to compare the replicas bitwise. Writes
+`rank{R}.json` into `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+
+import fpipe
+
+D, BATCH, M = 6, 16, 2  # global batch 16: 8 per replica, 2 microbatches of 4
+
+
+def mlp(
+    params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, sum_loss: bool = False
+) -> torch.Tensor:
+    """Four layers with a boundary after each but the last (four stages)."""
+    h = x
+    for i in range(4):
+        h = torch.tanh(h @ params[f"w{i}"] + params[f"b{i}"])
+        if i < 3:
+            h = fpipe.stage_boundary(h)
+    return F.mse_loss(h, y, reduction="sum" if sum_loss else "mean")
+
+
+def tied(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """An embedding-like first layer and a head sharing one weight, on different pipeline ranks."""
+    h = torch.tanh(x @ params["emb"])
+    h = fpipe.stage_boundary(h)
+    h = torch.tanh(h @ params["w"])
+    return F.mse_loss(h @ params["emb"].t(), y)
+
+
+def params_for(case: str) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    if case == "tied":
+        return {n: torch.randn(D, D, generator=g, dtype=torch.float64) * 0.5 for n in ("emb", "w")}
+    out = {}
+    for i in range(4):
+        out[f"w{i}"] = torch.randn(D, D, generator=g, dtype=torch.float64) * 0.5
+        out[f"b{i}"] = torch.randn(D, generator=g, dtype=torch.float64) * 0.1
+    return out
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(BATCH, D, generator=g, dtype=torch.float64), torch.randn(
+        BATCH, D, generator=g, dtype=torch.float64
+    )
+
+
+def gathered(t: torch.Tensor, group: Any) -> list[torch.Tensor]:
+    every = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, t.contiguous(), group=group)
+    return every
+
+
+CASES = {  # name -> (function, schedule, stages, out_axes)
+    "1f1b": (mlp, "1f1b", 2, None),
+    "gpipe": (mlp, "gpipe", 2, None),
+    "interleaved": (mlp, "interleaved-1f1b", 4, None),
+    "zbv": (mlp, "zbv", 4, None),
+    "sum": (mlp, "1f1b", 2, "sum"),
+    "tied": (tied, "1f1b", 2, None),
+}
+
+
+def stage_fn(fn: Any, stages: int, sum_loss: bool) -> Any:
+    """`fn` with 4 stages merged into `stages` (mlp: drop boundaries after layers 0 and 2)."""
+    if fn is tied or stages == 4:
+        return (lambda p, x, y: fn(p, x, y, sum_loss)) if fn is mlp else fn
+
+    def two(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = x
+        for i in range(4):
+            h = torch.tanh(h @ params[f"w{i}"] + params[f"b{i}"])
+            if i == 1:
+                h = fpipe.stage_boundary(h)
+        return F.mse_loss(h, y, reduction="sum" if sum_loss else "mean")
+
+    return two
+
+
+def run_case(name: str, mesh: Any) -> dict[str, Any]:
+    fn, schedule, stages, out_axes = CASES[name]
+    f = stage_fn(fn, stages, out_axes == "sum")
+    params = params_for(name)
+    x, y = data()
+    dp_rank = mesh.get_local_rank("dp")
+    xs, ys = x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]
+    piped = fpipe.pipeline(f, mesh=mesh, microbatches=M, schedule=schedule, out_axes=out_axes)
+    loss, grads = fpipe.value_and_grad(piped)(params, xs, ys)
+    ref_grads, ref_loss = torch.func.grad_and_value(f)(params, x, y)
+    rec: dict[str, Any] = {"loss_err": abs(float(loss) - float(ref_loss)), "keys": sorted(grads)}
+    rec["grad_err"] = {k: float((g - ref_grads[k]).abs().max()) for k, g in grads.items()}
+    dp_group = mesh.get_group("dp")
+    rec["replicas_equal"] = all(
+        torch.equal(*gathered(g, dp_group)) for g in [loss.reshape(1), *(grads[k] for k in sorted(grads))]
+    )
+    rec["adamw"] = (
+        adamw_steps(f, params, (x, y), (xs, ys), mesh, schedule, out_axes)
+        if name in ("1f1b", "tied")
+        else None
+    )
+    return rec
+
+
+def adamw_steps(
+    f: Any, params: dict[str, torch.Tensor], glob: Any, local: Any, mesh: Any, schedule: str, out_axes: Any
+) -> float:
+    """Three AdamW steps through the pipeline against three in one process; the largest
+    difference of a parameter this rank holds."""
+    ref = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+    ref_opt = torch.optim.AdamW(list(ref.values()), lr=1e-2)
+    for _ in range(3):
+        ref_opt.zero_grad()
+        f(ref, *glob).backward()
+        ref_opt.step()
+    mine = {k: v.clone() for k, v in params.items()}
+    piped = fpipe.pipeline(f, mesh=mesh, microbatches=M, schedule=schedule, out_axes=out_axes)
+    opt = None
+    for _ in range(3):
+        _, grads = fpipe.value_and_grad(piped)(mine, *local)
+        held = {k: mine[k] for k in grads}
+        if opt is None:
+            opt = torch.optim.AdamW(list(held.values()), lr=1e-2)
+        fpipe.set_grads(held, grads)
+        opt.step()
+    return max(float((mine[k] - ref[k].detach()).abs().max()) for k in grads)
+
+
+def mismatch(mesh: Any) -> str:
+    """Replicas passing slices of different sizes: a ValueError on every rank, before any transfer."""
+    x, y = data()
+    n = 8 if mesh.get_local_rank("dp") == 0 else 4
+    piped = fpipe.pipeline(stage_fn(mlp, 2, False), mesh=mesh, microbatches=M)
+    try:
+        fpipe.value_and_grad(piped)(params_for("1f1b"), x[:n], y[:n])
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    rank = dist.get_rank()
+    rec: dict[str, Any] = {"rank": rank, "dp": mesh.get_local_rank("dp"), "pp": mesh.get_local_rank("pp")}
+    for name in CASES:
+        try:
+            rec[name] = run_case(name, mesh)
+        except Exception as err:  # recorded; the test names the case
+            rec[name] = {"error": f"{type(err).__name__}: {err}"}
+    rec["mismatch"] = mismatch(mesh)
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+        json.dump(rec, f)
+
+
+if __name__ == "__main__":
+    main()

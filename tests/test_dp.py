@@ -1,0 +1,63 @@
+"""Data x pipeline parallelism on one DeviceMesh (NOTE [gradients over replicas] in
+fpipe/_src/replicas.py): 4 gloo ranks under torchrun, dp=2 x pp=2, each passing its dp slice of
+one global batch. One launch of `tests/dp_worker.py` runs every case; each compares with
+`torch.func.grad_and_value` of the unsplit function over the global batch, in fp64."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from dist_launch import read_json, report, run_torchrun, torchrun_cmd
+
+TOL = 1e-12
+RANKS = 4
+DEADLINE_S = 300.0
+CASES = ["1f1b", "gpipe", "interleaved", "zbv", "sum", "tied"]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict[str, Any]]:
+    out = tmp_path_factory.mktemp("dp")
+    procs = run_torchrun([torchrun_cmd("dp_worker.py", RANKS, "--out", str(out))], out, DEADLINE_S)
+    missing = [r for r in range(RANKS) if not (out / f"rank{r}.json").exists()]
+    assert not missing and all(p.rc == 0 for p in procs), f"ranks {missing} wrote no record\n" + report(procs)
+    return [read_json(out / f"rank{r}.json") for r in range(RANKS)]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_loss_and_gradients_are_those_of_the_global_batch(ranks, case):
+    """The loss is the global one on every rank; each rank's gradients are the global loss's
+    (a 'mean' loss: the mean over replicas; out_axes='sum': the sum)."""
+    for rec in ranks:
+        res = rec[case]
+        assert "error" not in res, (rec["rank"], res)
+        assert res["loss_err"] < TOL * 100, (rec["rank"], res)
+        assert res["keys"] and max(res["grad_err"].values()) < TOL * 100, (rec["rank"], res)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_replicas_are_bitwise_identical(ranks, case):
+    assert all(rec[case]["replicas_equal"] for rec in ranks), [rec[case] for rec in ranks]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_parameter_gradient_is_returned_by_each_replica(ranks, case):
+    """Within each replica (one pipeline), the pipeline ranks' gradients cover every parameter."""
+    expected = {"tied": ["emb", "w"]}.get(case, [f"{k}{i}" for k in "bw" for i in range(4)])
+    for dp in (0, 1):
+        keys = {k for rec in ranks if rec["dp"] == dp for k in rec[case]["keys"]}
+        assert sorted(keys) == sorted(expected), (dp, keys)
+
+
+@pytest.mark.parametrize("case", ["1f1b", "tied"])
+def test_three_adamw_steps_equal_single_process_training(ranks, case):
+    for rec in ranks:
+        assert rec[case]["adamw"] < 1e-12, (rec["rank"], rec[case])
+
+
+def test_replicas_passing_slices_of_different_shapes_fail_naming_ranks_and_argument(ranks):
+    for rec in ranks:
+        msg = rec["mismatch"]
+        assert "data-parallel ranks [" in msg and "argument 'x'" in msg, msg
+        assert "split the global batch evenly over the 'dp' dimension" in msg, msg

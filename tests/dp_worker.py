@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import fpipe
 
@@ -66,14 +67,27 @@ def gathered(t: torch.Tensor, group: Any) -> list[torch.Tensor]:
     return every
 
 
-CASES = {  # name -> (function, schedule, stages, out_axes)
+CASES = {  # name -> (function, schedule, stages, out_axes); "sharded-": DTensor parameters
     "1f1b": (mlp, "1f1b", 2, None),
     "gpipe": (mlp, "gpipe", 2, None),
     "interleaved": (mlp, "interleaved-1f1b", 4, None),
     "zbv": (mlp, "zbv", 4, None),
     "sum": (mlp, "1f1b", 2, "sum"),
     "tied": (tied, "1f1b", 2, None),
+    "sharded-1f1b": (mlp, "1f1b", 2, None),
+    "sharded-zbv": (mlp, "zbv", 4, None),
+    "sharded-tied": (tied, "1f1b", 2, None),
 }
+ADAMW = ("1f1b", "tied", "sharded-1f1b", "sharded-tied")
+
+
+def shard(params: dict[str, torch.Tensor], mesh: Any) -> dict[str, torch.Tensor]:
+    """The parameters as DTensors placed Shard(0) on the "dp" sub-mesh (fully_shard's layout)."""
+    return {k: distribute_tensor(v, mesh["dp"], [Shard(0)]) for k, v in params.items()}
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def stage_fn(fn: Any, stages: int, sum_loss: bool) -> Any:
@@ -95,41 +109,49 @@ def stage_fn(fn: Any, stages: int, sum_loss: bool) -> Any:
 def run_case(name: str, mesh: Any) -> dict[str, Any]:
     fn, schedule, stages, out_axes = CASES[name]
     f = stage_fn(fn, stages, out_axes == "sum")
-    params = params_for(name)
+    params = params_for(name.removeprefix("sharded-"))
+    given = shard(params, mesh) if name.startswith("sharded-") else params
     x, y = data()
     dp_rank = mesh.get_local_rank("dp")
     xs, ys = x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]
     piped = fpipe.pipeline(f, mesh=mesh, microbatches=M, schedule=schedule, out_axes=out_axes)
-    loss, grads = fpipe.value_and_grad(piped)(params, xs, ys)
+    loss, grads = fpipe.value_and_grad(piped)(given, xs, ys)
     ref_grads, ref_loss = torch.func.grad_and_value(f)(params, x, y)
     rec: dict[str, Any] = {"loss_err": abs(float(loss) - float(ref_loss)), "keys": sorted(grads)}
-    rec["grad_err"] = {k: float((g - ref_grads[k]).abs().max()) for k, g in grads.items()}
+    rec["placements"] = sorted({str(getattr(g, "placements", "plain")) for g in grads.values()})
+    rec["grad_err"] = {k: float((whole(g) - ref_grads[k]).abs().max()) for k, g in grads.items()}
     dp_group = mesh.get_group("dp")
-    rec["replicas_equal"] = all(
-        torch.equal(*gathered(g, dp_group)) for g in [loss.reshape(1), *(grads[k] for k in sorted(grads))]
-    )
+    values = [loss.reshape(1), *(whole(grads[k]) for k in sorted(grads))]
+    rec["replicas_equal"] = all(torch.equal(*gathered(v, dp_group)) for v in values)
+    ref_norm = float(torch.sqrt(sum((g**2).sum() for g in ref_grads.values())))
+    rec["norm_err"] = abs(float(fpipe.clip_grad_norm_(grads, 1e9, pipeline=piped)) - ref_norm)
     rec["adamw"] = (
-        adamw_steps(f, params, (x, y), (xs, ys), mesh, schedule, out_axes)
-        if name in ("1f1b", "tied")
-        else None
+        adamw_steps(f, params, (x, y), (xs, ys), mesh, schedule, out_axes, name) if name in ADAMW else None
     )
     return rec
 
 
 def adamw_steps(
-    f: Any, params: dict[str, torch.Tensor], glob: Any, local: Any, mesh: Any, schedule: str, out_axes: Any
-) -> float:
-    """Three AdamW steps through the pipeline against three in one process; the largest
-    difference of a parameter this rank holds."""
+    f: Any,
+    params: dict[str, torch.Tensor],
+    glob: Any,
+    local: Any,
+    mesh: Any,
+    schedule: str,
+    out_axes: Any,
+    name: str,
+) -> dict[str, float]:
+    """Three AdamW steps through the pipeline against three in one process: the largest
+    difference of a parameter this rank holds, and the fraction of the optimizer state it keeps."""
     ref = {k: v.clone().requires_grad_(True) for k, v in params.items()}
     ref_opt = torch.optim.AdamW(list(ref.values()), lr=1e-2)
     for _ in range(3):
         ref_opt.zero_grad()
         f(ref, *glob).backward()
         ref_opt.step()
-    mine = {k: v.clone() for k, v in params.items()}
+    mine = shard(params, mesh) if name.startswith("sharded-") else {k: v.clone() for k, v in params.items()}
     piped = fpipe.pipeline(f, mesh=mesh, microbatches=M, schedule=schedule, out_axes=out_axes)
-    opt = None
+    opt, grads = None, {}
     for _ in range(3):
         _, grads = fpipe.value_and_grad(piped)(mine, *local)
         held = {k: mine[k] for k in grads}
@@ -137,7 +159,11 @@ def adamw_steps(
             opt = torch.optim.AdamW(list(held.values()), lr=1e-2)
         fpipe.set_grads(held, grads)
         opt.step()
-    return max(float((mine[k] - ref[k].detach()).abs().max()) for k in grads)
+    assert opt is not None
+    state = [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor) and t.dim()]
+    kept = sum(t.to_local().numel() if isinstance(t, DTensor) else t.numel() for t in state)
+    errs = [float((whole(mine[k]) - ref[k].detach()).abs().max()) for k in sorted(grads)]
+    return {"err": max(errs), "state_fraction": kept / sum(t.numel() for t in state)}
 
 
 def mismatch(mesh: Any) -> str:
@@ -152,6 +178,19 @@ def mismatch(mesh: Any) -> str:
     return "no error"
 
 
+def wrong_placement(mesh: Any) -> str:
+    """Parameters replicated (not Shard(0)) on the "dp" sub-mesh: a ValueError before any transfer."""
+    x, y = data()
+    dp_rank = mesh.get_local_rank("dp")
+    params = {k: distribute_tensor(v, mesh["dp"], [Replicate()]) for k, v in params_for("1f1b").items()}
+    piped = fpipe.pipeline(stage_fn(mlp, 2, False), mesh=mesh, microbatches=M)
+    try:
+        fpipe.value_and_grad(piped)(params, x.chunk(2)[dp_rank], y.chunk(2)[dp_rank])
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -159,12 +198,14 @@ def main() -> None:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
     rank = dist.get_rank()
     rec: dict[str, Any] = {"rank": rank, "dp": mesh.get_local_rank("dp"), "pp": mesh.get_local_rank("pp")}
-    for name in CASES:
+    only = os.environ.get("DP_WORKER_CASES")  # for running a few cases by hand
+    for name in only.split(",") if only else CASES:
         try:
             rec[name] = run_case(name, mesh)
         except Exception as err:  # recorded; the test names the case
             rec[name] = {"error": f"{type(err).__name__}: {err}"}
     rec["mismatch"] = mismatch(mesh)
+    rec["wrong_placement"] = wrong_placement(mesh)
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(rec, f)
 

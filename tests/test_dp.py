@@ -1,7 +1,9 @@
 """Data x pipeline parallelism on one DeviceMesh (NOTE [gradients over replicas] in
-fpipe/_src/replicas.py): 4 gloo ranks under torchrun, dp=2 x pp=2, each passing its dp slice of
-one global batch. One launch of `tests/dp_worker.py` runs every case; each compares with
-`torch.func.grad_and_value` of the unsplit function over the global batch, in fp64."""
+fpipe/_src/replicas.py, sharded parameters in fpipe/_src/sharding.py): 4 gloo ranks under
+torchrun, dp=2 x pp=2, each passing its dp slice of one global batch. One launch of
+`tests/dp_worker.py` runs every case; each compares with `torch.func.grad_and_value` of the
+unsplit function over the global batch, in fp64. Cases "sharded-*" pass the parameters as
+DTensors placed Shard(0) on the "dp" sub-mesh."""
 
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ from dist_launch import read_json, report, run_torchrun, torchrun_cmd
 TOL = 1e-12
 RANKS = 4
 DEADLINE_S = 300.0
-CASES = ["1f1b", "gpipe", "interleaved", "zbv", "sum", "tied"]
+SHARDED = ["sharded-1f1b", "sharded-zbv", "sharded-tied"]
+CASES = ["1f1b", "gpipe", "interleaved", "zbv", "sum", "tied", *SHARDED]
+ADAMW = ["1f1b", "tied", "sharded-1f1b", "sharded-tied"]
 
 
 @pytest.fixture(scope="module")
@@ -44,16 +48,43 @@ def test_replicas_are_bitwise_identical(ranks, case):
 @pytest.mark.parametrize("case", CASES)
 def test_every_parameter_gradient_is_returned_by_each_replica(ranks, case):
     """Within each replica (one pipeline), the pipeline ranks' gradients cover every parameter."""
-    expected = {"tied": ["emb", "w"]}.get(case, [f"{k}{i}" for k in "bw" for i in range(4)])
+    expected = ["emb", "w"] if case.endswith("tied") else [f"{k}{i}" for k in "bw" for i in range(4)]
     for dp in (0, 1):
         keys = {k for rec in ranks if rec["dp"] == dp for k in rec[case]["keys"]}
         assert sorted(keys) == sorted(expected), (dp, keys)
 
 
-@pytest.mark.parametrize("case", ["1f1b", "tied"])
+@pytest.mark.parametrize("case", ADAMW)
 def test_three_adamw_steps_equal_single_process_training(ranks, case):
     for rec in ranks:
-        assert rec[case]["adamw"] < 1e-12, (rec["rank"], rec[case])
+        assert rec[case]["adamw"]["err"] < 1e-12, (rec["rank"], rec[case])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_clip_grad_norm_spans_dp_and_pp_counting_each_parameter_once(ranks, case):
+    for rec in ranks:
+        assert rec[case]["norm_err"] < 1e-12, (rec["rank"], rec[case])
+
+
+@pytest.mark.parametrize("case", SHARDED)
+def test_sharded_gradients_keep_the_parameters_placement_and_adamw_keeps_half_the_state(ranks, case):
+    """Gradients come back as DTensors placed Shard(0) like their parameters, so AdamW on the
+    DTensor parameters holds 1/dp of its state on each rank."""
+    for rec in ranks:
+        assert rec[case]["placements"] == ["(Shard(dim=0),)"], rec[case]
+        if case in ADAMW:
+            assert rec[case]["adamw"]["state_fraction"] == 0.5, rec[case]
+
+
+def test_replicated_parameters_keep_the_whole_state(ranks):
+    for rec in ranks:
+        assert rec["1f1b"]["placements"] == ["plain"] and rec["1f1b"]["adamw"]["state_fraction"] == 1.0
+
+
+def test_dtensor_parameters_not_sharded_over_dp_are_refused(ranks):
+    for rec in ranks:
+        msg = rec["wrong_placement"]
+        assert "is a DTensor on mesh" in msg and "Shard(0) on the pipeline mesh's 'dp' sub-mesh" in msg, msg
 
 
 def test_replicas_passing_slices_of_different_shapes_fail_naming_ranks_and_argument(ranks):

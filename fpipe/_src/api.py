@@ -57,7 +57,7 @@ class Pipelined:
 
     @functools.cached_property
     def _compiler(self) -> Compiler:
-        return Compiler(self.cfg, self.pg, self.dp)
+        return Compiler(self.cfg, self.pg, self.dp, self._groups.dp_mesh)
 
     @property
     def _cache(self) -> dict[Any, Compiled]:

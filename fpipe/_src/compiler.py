@@ -38,6 +38,7 @@ from .reduction import batch_reduction
 from .run import LocalRunner
 from .run_dist import DistRunner
 from .schedule import Schedule, build, stages_per_rank
+from .sharding import check_sharded
 from .simulate import validate
 from .split import Staged, count_stages, split, split_backward
 from .trace import Forward, Joint, fake_like, make_fakes, trace_forward, trace_joint
@@ -65,8 +66,10 @@ Key = tuple[Any, ...]
 class Compiler:
     """Compiles a pipeline's function per input signature and keeps the plans (`cache`)."""
 
-    def __init__(self, cfg: Config, pg: PPGroup | None, dp: PPGroup | None = None) -> None:
-        self.cfg, self.pg, self.dp = cfg, pg, dp
+    def __init__(
+        self, cfg: Config, pg: PPGroup | None, dp: PPGroup | None = None, dp_mesh: Any = None
+    ) -> None:
+        self.cfg, self.pg, self.dp, self.dp_mesh = cfg, pg, dp, dp_mesh
         self.cache: dict[Key, Compiled] = {}
         self._measured: dict[Key, list[float]] = {}  # see _measured_costs
 
@@ -74,6 +77,7 @@ class Compiler:
         self, inp: Inputs, mb0: list[torch.Tensor], grad_of: tuple[int, ...] | None, has_aux: bool
     ) -> Compiled:
         """The plan for these inputs, compiled at the first call of their signature."""
+        check_sharded(self.cfg.call, self.dp_mesh, inp.param_leaves, inputs_.param_keys(inp))
         key = (inp.key(inputs_.device_of(self.pg, inp).type), grad_of, has_aux)
         if self.pg is not None:
             shapes = [tuple(t.shape) for t in inp.data_leaves]

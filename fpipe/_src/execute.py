@@ -12,6 +12,7 @@ import contextlib
 import os
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from .compiler import Compiled
 from .config import Config
@@ -21,6 +22,7 @@ from .outputs import local_inputs
 from .replicas import GradReducer
 from .rng import set_step
 from .run import Results
+from .sharding import gathered
 
 
 def execute(
@@ -38,7 +40,7 @@ def execute(
     (NOTE [gradients over replicas] in replicas.py)."""
     st = c.staged
     check_local_params(cfg, pg, inp, c)
-    glob = dict(zip(st.param_inputs, inp.param_leaves))
+    glob = dict(zip(st.param_inputs, gathered(inp.param_leaves, set(c.local_params or ()))))
     glob.update(zip(st.const_inputs, current_consts(cfg.call, c)))
     if ct is not None:
         glob[st.ct_input] = torch.tensor(ct, dtype=st.meta[st.ct_input][1], device=device_of(pg, inp))
@@ -49,9 +51,15 @@ def execute(
     # history as well, for inputs that require grad, would keep every program's intermediates
     # alive for the whole step. Under a torch.func transform, the transform decides.
     explicit = ct is not None and torch._C._functorch.peek_interpreter_stack() is None
-    reducer = (
-        None if dp is None or ct is None else GradReducer(dp, c, c.runner.local_actions, summed, cfg.timeout)
-    )
+    reducer = None
+    if dp is not None and ct is not None:
+        positions = {st.n_outs + j: pos for j, pos in enumerate(c.diff) if pos < len(inp.param_leaves)}
+        sharded = {
+            i: inp.param_leaves[pos]
+            for i, pos in positions.items()
+            if isinstance(inp.param_leaves[pos], DTensor)
+        }
+        reducer = GradReducer(dp, c, c.runner.local_actions, summed, sharded, cfg.timeout)  # type: ignore[arg-type]
     with torch.no_grad() if explicit else contextlib.nullcontext():
         results = c.runner.run(glob, data, summed, after=reducer.after if reducer else None)
         if reducer is not None:

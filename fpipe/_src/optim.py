@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from . import tree
 
@@ -48,12 +49,14 @@ def clip_grad_norm_(
     # In a group every rank reduces in float64: a rank whose stages hold no parameters has no
     # dtype of its own to go by, and the all-reduce needs the same dtype everywhere.
     acc = torch.float64 if pg is not None else dtype
-    if norm_type == math.inf:
-        local = max((g.abs().max().to(acc) for g in owned), default=torch.zeros((), dtype=acc, device=device))
-    else:
-        local = sum(
-            (g.to(acc).pow(norm_type).sum() for g in owned), torch.zeros((), dtype=acc, device=device)
-        )
+    plain = [g for g in owned if not isinstance(g, DTensor)]
+    local = _partial_norm(plain, norm_type, acc, device)
+    shards = [g.to_local() for g in owned if isinstance(g, DTensor)]
+    if shards:  # sharded over dp (NOTE [gradients over replicas]): add the other shards' parts
+        part = _partial_norm(shards, norm_type, acc, device)
+        op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
+        dist.all_reduce(part, op=op, group=pipeline.dp.group)
+        local = torch.maximum(local, part) if norm_type == math.inf else local + part
     if pg is not None:  # with whether any rank's gradients are fp64: the norm's dtype on all
         both = torch.stack([local, torch.tensor(float(dtype == torch.float64), dtype=acc)]).to(pg.device)
         dist.all_reduce(
@@ -67,6 +70,16 @@ def clip_grad_norm_(
             if g is not None:
                 g.mul_(coef)
     return total.to(device=device, dtype=dtype)
+
+
+def _partial_norm(
+    gs: list[torch.Tensor], norm_type: float, acc: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """max |g| (norm_type inf) or the sum of |g|^p over `gs`, in dtype `acc`."""
+    zero = torch.zeros((), dtype=acc, device=device)
+    if norm_type == math.inf:
+        return max((g.abs().max().to(acc) for g in gs), default=zero)
+    return sum((g.to(acc).pow(norm_type).sum() for g in gs), zero)
 
 
 def _owned_leaves(grads: Any, pipeline: Any) -> list[torch.Tensor]:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from . import inputs as inputs_
 from . import tree
@@ -23,6 +24,7 @@ from .dist import PPGroup
 from .inputs import Inputs
 from .replicas import reduce_values
 from .run import Results
+from .sharding import broadcast_shard
 
 
 def values(
@@ -115,6 +117,9 @@ def _grad_of(
     is_param = pos < len(inp.param_leaves)
     if is_param and len(users | {src}) == 1:
         return g
+    if is_param and isinstance(inp.param_leaves[pos], DTensor):
+        g = broadcast_shard(pg, g, inp.param_leaves[pos], src, timeout)  # type: ignore[arg-type]
+        return g if pg.rank in users else None
     if g is None:
         shape, dtype = st.meta[name]
         if axis is not None:

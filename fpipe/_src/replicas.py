@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.tensor import DTensor, Partial
 
 from .compiler import Compiled
 from .dist import PPGroup, group_of, pp_group
@@ -39,6 +40,7 @@ class Groups:
 
     pp: PPGroup | None
     dp: PPGroup | None
+    dp_mesh: Any = None  # the mesh's "dp" sub-mesh, where sharded parameters live
 
     def each(self) -> list[PPGroup]:
         return [g for g in (self.pp, self.dp) if g is not None]
@@ -69,14 +71,23 @@ def mesh_groups(mesh: Any, timeout: float) -> Groups:
             f"knows {list(MESH_DIMS)} (unknown: {unknown}). Build it with, e.g., "
             "init_device_mesh(device, (dp, pp), mesh_dim_names=('dp', 'pp'))."
         )
-    return Groups(pp_group(mesh, timeout), group_of(mesh.get_group("dp")) if "dp" in names else None)
+    dp = group_of(mesh.get_group("dp")) if "dp" in names else None
+    return Groups(pp_group(mesh, timeout), dp, mesh["dp"] if dp is not None else None)
 
 
 class GradReducer:
     """Sums one step's gradient sums over dp, bucket by bucket, as soon as each is final."""
 
-    def __init__(self, dp: PPGroup, c: Compiled, local: list[Action], summed: frozenset[int], timeout: float):
-        self.dp, self.timeout = dp, timeout
+    def __init__(
+        self,
+        dp: PPGroup,
+        c: Compiled,
+        local: list[Action],
+        summed: frozenset[int],
+        sharded: dict[int, DTensor],
+        timeout: float,
+    ):
+        self.dp, self.timeout, self.sharded = dp, timeout, sharded  # sharded: output -> its parameter
         st, last = c.staged, {action_place(a): a for a in local}  # each place's last action here
         self.at: dict[Action, list[int]] = {}
         for i in sorted(summed):
@@ -104,7 +115,11 @@ class GradReducer:
 
     def _launch(self, idx: list[int], results: Results) -> None:
         present = [i for i in idx if results.sums.get(i) is not None]
-        for bucket in _buckets(present, results.sums):
+        for i in [i for i in present if i in self.sharded]:  # reduce-scattered to the param's shards
+            p = self.sharded[i]
+            part = DTensor.from_local(results.sums[i], p.device_mesh, [Partial()], run_check=False)
+            results.sums[i] = part.redistribute(p.device_mesh, p.placements)
+        for bucket in _buckets([i for i in present if i not in self.sharded], results.sums):
             flat = _flatten_dense_tensors([results.sums[i] for i in bucket])
             work = dist.all_reduce(flat, group=self.dp.group, async_op=True)
             self.pending.append((work, flat, bucket))

@@ -9,6 +9,12 @@ The same script runs in one process (all stages local) and under torchrun (one s
 
     python examples/train_gpt.py                                     # 2 stages in this process
     torchrun --standalone --nproc-per-node 4 examples/train_gpt.py   # 4 ranks, 1 stage each
+    torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --dp 2  # 2 replicas x 2 stages
+
+With `--dp N` the ranks form a ("dp", "pp") DeviceMesh of N replicas of a WORLD_SIZE / N-stage
+pipeline: every rank draws the same global batch of `--batch` sequences and passes its replica's
+slice, and fpipe returns the global loss and its gradients (summed over the replicas), so the loss
+curve is the one of the pipeline alone on the same batches.
 
 The model knows nothing about pipelines; the training loop is ordinary: fpipe only turns the loss
 function into a pipelined one whose `value_and_grad` returns this rank's gradients.
@@ -17,6 +23,7 @@ function into a pipelined one whose `value_and_grad` returns this rank's gradien
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import sysconfig
@@ -127,7 +134,24 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads per process on CPU")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--corpus-mib", type=float, default=2.0)
-    return p.parse_args()
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas: WORLD_SIZE = dp x pp")
+    p.add_argument("--loss-log", metavar="PATH", help="rank 0 writes the per-step losses here as JSON")
+    args = p.parse_args()
+    # Checked here, before any process group or collective: a bad layout fails alike on every rank.
+    if args.dp < 1:
+        p.error(f"--dp {args.dp}: needs at least 1 replica")
+    if args.dp > 1:
+        world = os.environ.get("WORLD_SIZE")
+        if "LOCAL_RANK" not in os.environ or world is None:
+            p.error(f"--dp {args.dp} needs torchrun with WORLD_SIZE = dp x pp processes")
+        if int(world) % args.dp:
+            p.error(f"--dp {args.dp}: WORLD_SIZE {world} is not divisible by it (WORLD_SIZE = dp x pp)")
+        if args.batch % (args.dp * args.microbatches):
+            p.error(
+                f"--batch {args.batch} is not divisible by --dp {args.dp} x --microbatches "
+                f"{args.microbatches}: each replica takes batch / dp sequences, in microbatches"
+            )
+    return args
 
 
 def main() -> None:
@@ -142,9 +166,20 @@ def main() -> None:
     else:  # 1 by default: ranks share the cores, a microbatch's ops are too small to gain from
         torch.set_num_threads(args.threads)  # more, and intra-op threads crawl on busy cores
 
+    mesh, dp_rank = None, 0
+    if args.dp > 1:  # replicas x stages; without --dp all ranks form one pipeline (no mesh needed)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        pp = int(os.environ["WORLD_SIZE"]) // args.dp
+        mesh = init_device_mesh(device.type, (args.dp, pp), mesh_dim_names=("dp", "pp"))
+        dp_rank = mesh.get_local_rank("dp")
+
+    def local(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return batch[0].chunk(args.dp)[dp_rank], batch[1].chunk(args.dp)[dp_rank]  # this replica's
+
     data = corpus(args.corpus_mib)
-    gen = torch.Generator().manual_seed(args.seed)  # every rank draws the same batches
-    x, y = get_batch(data, args, gen, device)
+    gen = torch.Generator().manual_seed(args.seed)  # every rank draws the same (global) batches
+    x, y = local(get_batch(data, args, gen, device))
 
     with torch.device("meta"):  # no memory: each rank allocates only its own stage below
         model = GPT(256, args.seq, args.d_model, args.layers, args.heads)
@@ -155,7 +190,9 @@ def main() -> None:
         return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
     stages = args.stages if args.stages or launched else 2
-    piped = fpipe.pipeline(loss_fn, stages=stages, microbatches=args.microbatches, schedule=args.schedule)
+    piped = fpipe.pipeline(
+        loss_fn, stages=stages, microbatches=args.microbatches, schedule=args.schedule, mesh=mesh
+    )  # with a mesh: the global loss (the mean over replicas) and its gradients, summed over dp
     # Each rank initialises only the modules of its stages (reset_parameters, in module order)
     # from the same seed: deterministic, but not the values a single-process `GPT(...)` would
     # draw from this seed, and different for another number of stages.
@@ -174,7 +211,7 @@ def main() -> None:
         fpipe.clip_grad_norm_(grads, 1.0, pipeline=piped)
         fpipe.set_grads(params, grads)
         opt.step()  # set_grads replaces .grad each step: no zero_grad needed
-        x, y = get_batch(data, args, gen, device)
+        x, y = local(get_batch(data, args, gen, device))
         losses.append(loss.item())
         if i == 1:  # the first step traces and splits the program: time the others apart
             first, t0 = time.perf_counter() - t0, time.perf_counter()
@@ -190,6 +227,9 @@ def main() -> None:
             f"first step {first:.1f} s (traces), wall {time.perf_counter() - start:.1f} s",
             flush=True,
         )
+    if rank == 0 and args.loss_log:
+        with open(args.loss_log, "w") as f:
+            json.dump({"losses": losses}, f)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

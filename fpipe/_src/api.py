@@ -213,7 +213,9 @@ def pipeline(
             tensors are split along dim 0; 0-dim tensors are never split.
         out_axes: how each output is combined over microbatches: 'mean', 'sum' or an int axis to
             concatenate along (a prefix pytree). Default: 'mean' for scalars, 0 otherwise.
-        mesh: a DeviceMesh with a "pp" dimension; by default, under torchrun, all ranks form one
+        mesh: a DeviceMesh with a "pp" dimension and optionally a "dp" one (replicas: each rank
+            passes its dp slice of the global batch and gets the global loss and gradients;
+            NOTE [gradients over replicas]); by default, under torchrun, all ranks form one
             pipeline (the process group is initialised from torchrun's environment if needed:
             NCCL with CUDA, gloo otherwise). Stage s runs on pipeline rank
             `schedule.stage_rank[s]`. Without a process group every stage runs in this process.

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fpipe
 
@@ -191,6 +192,49 @@ def wrong_placement(mesh: Any) -> str:
     return "no error"
 
 
+def unknown_dimension() -> str:
+    """A mesh dimension fpipe does not know: a ValueError at the first call, before a transfer."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    piped = fpipe.pipeline(stage_fn(mlp, 2, False), mesh=mesh, microbatches=M)
+    x, y = data()
+    try:
+        fpipe.value_and_grad(piped)(params_for("1f1b"), x, y)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+class MatmulFlops(TorchDispatchMode):
+    """Counts the FLOPs of matrix products (mm, addmm and the in-place addmm_ fpipe accumulates
+    weight gradients with, which torch's FlopCounterMode does not count)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = func.overloadpacket.__name__
+        if name in ("mm", "addmm", "addmm_"):
+            a, b = (args[0], args[1]) if name == "mm" else (args[1], args[2])
+            self.flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
+        return func(*args, **(kwargs or {}))
+
+
+def matmul_share(mesh: Any) -> float:
+    """This rank's matrix-multiply FLOPs in a dp=2 x pp=2 step over those of the unsplit step
+    over the global batch (one process, autograd): about a quarter."""
+    f, params, (x, y) = stage_fn(mlp, 2, False), params_for("1f1b"), data()
+    dp_rank = mesh.get_local_rank("dp")
+    vg = fpipe.value_and_grad(fpipe.pipeline(f, mesh=mesh, microbatches=M))
+    vg(params, x.chunk(2)[dp_rank], y.chunk(2)[dp_rank])  # compiles
+    with MatmulFlops() as mine:
+        vg(params, x.chunk(2)[dp_rank], y.chunk(2)[dp_rank])
+    leaves = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+    with MatmulFlops() as whole_step:
+        f(leaves, x, y).backward()
+    return mine.flops / whole_step.flops
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -206,6 +250,8 @@ def main() -> None:
             rec[name] = {"error": f"{type(err).__name__}: {err}"}
     rec["mismatch"] = mismatch(mesh)
     rec["wrong_placement"] = wrong_placement(mesh)
+    rec["matmul_share"] = matmul_share(mesh)
+    rec["unknown_dimension"] = unknown_dimension()
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(rec, f)
 

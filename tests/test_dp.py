@@ -92,3 +92,17 @@ def test_replicas_passing_slices_of_different_shapes_fail_naming_ranks_and_argum
         msg = rec["mismatch"]
         assert "data-parallel ranks [" in msg and "argument 'x'" in msg, msg
         assert "split the global batch evenly over the 'dp' dimension" in msg, msg
+
+
+def test_each_rank_does_about_a_quarter_of_the_matrix_multiply_work(ranks):
+    """dp=2 x pp=2 on an MLP of four equal layers: each rank's FLOPs are a quarter of the unsplit
+    step's over the global batch (FlopCounterMode)."""
+    shares = [rec["matmul_share"] for rec in ranks]  # stage 0 skips layer 0's input gradient: 5:6
+    assert all(0.2 < s < 0.3 for s in shares), shares
+    assert 0.99 < sum(shares) < 1.01, shares  # no work done twice
+
+
+def test_a_mesh_dimension_fpipe_does_not_know_is_refused(ranks):
+    for rec in ranks:
+        msg = rec["unknown_dimension"]
+        assert "the mesh has dimensions ('dp', 'tp')" in msg and "unknown: ['tp']" in msg, msg

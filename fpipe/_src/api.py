@@ -122,7 +122,8 @@ class Pipelined:
         except (PeerFailure, TimeoutError):
             raise
         except BaseException as err:
-            self._groups.report_failure(err)
+            if "_groups" in self.__dict__:  # (a mesh refused at lookup has no groups to tell)
+                self._groups.report_failure(err)
             raise
         finally:
             self._busy.release()

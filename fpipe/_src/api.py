@@ -60,8 +60,7 @@ class Pipelined:
         return Compiler(self.cfg, self.pg, self.dp, self._groups.dp_mesh)
 
     @property
-    def _cache(self) -> dict[Any, Compiled]:
-        """The compiled plans, by input signature."""
+    def _cache(self) -> dict[Any, Compiled]:  # the compiled plans, by input signature
         return self._compiler.cache
 
     def __repr__(self) -> str:

@@ -5,7 +5,8 @@ Launched once by `tests/test_hf_dist.py` (a process group costs seconds to start
     torchrun --standalone --nproc-per-node 4 tests/hf_dist_worker.py --out DIR
 
 On 4 processes, a case with pp=4 is one pipeline over all ranks; a case with pp=2 runs on a
-DeviceMesh (dp=2, pp=2): two independent 2-rank pipelines on the same data. Every rank builds
+DeviceMesh (dp=2, pp=2): two 2-rank pipeline replicas, each passed its half of the batch
+(NOTE [gradients over replicas]: the loss and gradients are the whole batch's). Every rank builds
 the whole tiny model from the same seed, computes the unsplit single-process reference
 (`torch.func.grad_and_value`, fp64, whole batch) and writes `DIR/rank{R}.json`: per case the
 loss errors, the gradient errors of the keys this rank got, and the errors after two AdamW steps.
@@ -77,6 +78,14 @@ def scaled_errors(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) ->
     return {k: (g - ref[k]).abs().max().item() / scale for k, g in got.items()}
 
 
+def replica_slice(b: dict[str, torch.Tensor], mesh: Any) -> dict[str, torch.Tensor]:
+    """This replica's rows of the batch on a (dp, pp) mesh (a 0-dim count stays whole)."""
+    if mesh is None:
+        return b
+    dp_rank = mesh.get_local_rank("dp")
+    return {k: v.chunk(2)[dp_rank] if v.dim() else v for k, v in b.items()}
+
+
 def run_case(name: str, pp: int, mesh: Any) -> dict[str, Any]:
     model = build(name)
     fn, params = fpipe.functionalize(model)
@@ -88,7 +97,7 @@ def run_case(name: str, pp: int, mesh: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"all_keys": sorted(params), "pp_rank": piped.pg.rank, "steps": []}
     for _ in range(2):
         rg, rl = torch.func.grad_and_value(loss)(ref_params, **b)
-        value, grads = fpipe.value_and_grad(piped)(params, **b)
+        value, grads = fpipe.value_and_grad(piped)(params, **replica_slice(b, mesh))
         step = {"loss": value.item(), "ref_loss": rl.item(), "loss_dtype": str(value.dtype)}
         step["loss_rel_err"] = abs(value.item() - rl.item()) / abs(rl.item())
         step["grad_keys"] = sorted(grads)

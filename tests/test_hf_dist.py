@@ -79,7 +79,8 @@ def test_each_rank_holds_its_stage(results, name, pp):
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_replicas_agree(results, name):
-    """The two 2-rank pipelines of the mesh computed the same step on the same data."""
+    """The two 2-rank replicas of the mesh, each passed its half of the batch, return the same
+    (global) loss."""
     for rank, res in enumerate(results):
         assert "error" not in res[f"{name}-pp2"], f"rank {rank}: {res[f'{name}-pp2']['error']}"
     a, b = (results[r][f"{name}-pp2"]["steps"] for r in (0, 2))

@@ -9,8 +9,9 @@ rank writes `rank{R}.json` with one record per case.
 * after: the first two pipelines called once more: the group is still usable after the errors.
 * compile_fails: rank 1 raises while tracing and goes on; rank 0 learns why at once.
 
-With `--mesh` (4 ranks): a (dp=2, pp=2) DeviceMesh, one pipeline per dp replica: its results,
-its store namespace, and a failure report on replica 0 that replica 1 must not see.
+With `--mesh` (4 ranks): a (dp=2, pp=2) DeviceMesh, each replica passing its half of the batch:
+the results (the whole batch's), each pipeline group's store namespace, and a failure report on
+replica 0 that replica 1 must not see.
 """
 
 from __future__ import annotations
@@ -79,10 +80,15 @@ def _inputs(seed: int) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Ten
     )
 
 
-def _max_errors(piped: fpipe.Pipelined, f: Callable[..., Any], seed: int) -> dict[str, Any]:
-    """This rank's result against the unsplit function's: max abs errors, gradient keys held."""
+def _max_errors(
+    piped: fpipe.Pipelined, f: Callable[..., Any], seed: int, dp: int | None = None
+) -> dict[str, Any]:
+    """This rank's result against the unsplit function's: max abs errors, gradient keys held.
+    With `dp` (a replica on a (dp, pp) mesh), the rank passes its half of the batch and the
+    reference is the whole batch's (NOTE [gradients over replicas])."""
     params, x, y = _inputs(seed)
-    loss, grads = fpipe.value_and_grad(piped)(params, x, y)
+    mine = (x, y) if dp is None else (x.chunk(2)[dp], y.chunk(2)[dp])
+    loss, grads = fpipe.value_and_grad(piped)(params, *mine)
     grads_ref, loss_ref = torch.func.grad_and_value(f)(params, x, y)
     errs = {k: (g - grads_ref[k]).abs().max().item() for k, g in grads.items()}
     return {"loss": abs(loss.item() - loss_ref.item()), "grads": errs, "keys": sorted(grads)}
@@ -144,14 +150,14 @@ def _mesh_cases() -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
     dp = mesh.get_local_rank("dp")
     piped = fpipe.pipeline(_mlp, microbatches=MB, mesh=mesh, timeout=60)
-    rec: dict[str, Any] = {"dp": dp, "step": _case(lambda: _max_errors(piped, _mlp, 10 + dp))}
+    rec: dict[str, Any] = {"dp": dp, "step": _case(lambda: _max_errors(piped, _mlp, 10, dp))}
     assert piped.pg is not None
     rec["namespace"] = getattr(piped.pg, "namespace", None)  # (None before issue 17)
     if dp == 0 and piped.pg.rank == 1:  # in the call both replicas are at
         piped.pg.report_failure("rank 1 of replica 0 failed: injected report")
     dist.barrier()
     rec["sees"] = piped.pg.failure()
-    rec["after"] = _case(lambda: _max_errors(piped, _mlp, 20 + dp))
+    rec["after"] = _case(lambda: _max_errors(piped, _mlp, 20, dp))
     return rec
 
 

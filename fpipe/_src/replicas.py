@@ -128,18 +128,18 @@ class GradReducer:
 def _buckets(idx: list[int], sums: dict[int, torch.Tensor]) -> list[list[int]]:
     """`idx` in buckets of one dtype and at most BUCKET_BYTES each (a larger tensor alone)."""
     done: list[list[int]] = []
-    filling: dict[torch.dtype, tuple[list[int], list[int]]] = {}  # dtype -> (bucket, [bytes])
+    filling: dict[torch.dtype, list[int]] = {}
+    size: dict[torch.dtype, int] = {}
     for i in idx:
         t = sums[i]
         n = t.numel() * t.element_size()
-        bucket, size = filling.get(t.dtype, ([], [0]))
-        if bucket and size[0] + n > BUCKET_BYTES:
-            done.append(bucket)
-            bucket, size = [], [0]
-        bucket.append(i)
-        size[0] += n
-        filling[t.dtype] = (bucket, size)
-    return done + [b for b, _ in filling.values()]
+        if filling.get(t.dtype) and size[t.dtype] + n > BUCKET_BYTES:
+            done.append(filling.pop(t.dtype))
+        if t.dtype not in filling:
+            filling[t.dtype], size[t.dtype] = [], 0
+        filling[t.dtype].append(i)
+        size[t.dtype] += n
+    return done + list(filling.values())
 
 
 def reduce_values(

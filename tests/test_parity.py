@@ -174,7 +174,8 @@ def test_programs_accumulate_the_gradients(zoo, monkeypatch, kind, schedule):
     the program that computes it (`run.accumulating`): every rewritten program runs, no summed
     gradient passes through the runtime's own sum, and the result equals the reference. Each
     Linear weight's gradient is added inside its matrix product (`addmm_`); the tied matrix's
-    gradient (a lookup's plus a product's) is added after its last part."""
+    gradient has one part per stage (NOTE [tied gradients] in split.py): the head's product is
+    added inside the product too, the lookup's after it, into the same running sum."""
     from fpipe._src import run
 
     rewritten, put, programs = [], [], {}
@@ -202,7 +203,8 @@ def test_programs_accumulate_the_gradients(zoo, monkeypatch, kind, schedule):
         n for gm in programs.values() for n in gm.graph.nodes if n.target is torch.ops.aten.addmm_.default
     ]
     module = zoo.case(kind, 2, torch.float64).module
-    assert len(in_product) == sum(isinstance(m, torch.nn.Linear) for m in module.modules())
+    tied_heads = 1 if kind.startswith("tied") else 0
+    assert len(in_product) == sum(isinstance(m, torch.nn.Linear) for m in module.modules()) + tied_heads
 
 
 def test_compiled_programs(zoo, monkeypatch):
@@ -255,6 +257,26 @@ def test_tied_weight_used_by_first_and_last_stage(zoo, stages):
     name = staged.param_inputs[next(i for i, t in enumerate(leaves) if t is case.params["tok.weight"])]
     assert {("F", 0), ("F", stages - 1)} <= set(staged.consumers[name])
     assert [k for k, v in case.params.items() if v.shape == (11, 8)] == ["tok.weight"]
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_tied_gradient_contributions_stay_on_their_stages(zoo, stages):
+    """NOTE [tied gradients]: the head's and the lookup's contributions to the tied matrix's
+    gradient are two step outputs, each summed over microbatches on its own stage; no value of
+    the matrix's shape crosses from one program to another (once per microbatch, as the joint
+    graph's addition on stage 0 would need)."""
+    staged = compiled(_run(zoo, "tied-marked", stages, 4, "1f1b", torch.float64)).staged
+    case = zoo.case("tied-marked", stages, torch.float64)
+    j = next(i for i, t in enumerate(fpipe._src.tree.flatten(case.params)[0]) if t is case.params["tok.weight"])
+    i = staged.n_outs + j
+    parts = staged.parts_of(i)
+    assert sorted(staged.producer[n][1] for n in parts) == [0, stages - 1], (parts, staged.partial_of)
+    crossing = [
+        v
+        for v, places in staged.consumers.items()
+        if v in staged.producer and any(p != staged.producer[v] for p in places)
+    ]
+    assert crossing and not [v for v in crossing if staged.meta[v][0] == (11, 8)], crossing
 
 
 @pytest.mark.parametrize("stages", [2, 3, 4])

@@ -93,6 +93,12 @@ class PPGroup:
         self.wait_all([work], timeout, functools.partial(str, what))
         return t
 
+    def all_reduce(self, t: torch.Tensor, timeout: float, what: str) -> torch.Tensor:
+        """The sum of `t` over the group's ranks, in place (`t` contiguous)."""
+        work = dist.all_reduce(t, group=self.group, async_op=True)
+        self.wait_all([work], timeout, functools.partial(str, what), poll=True)
+        return t
+
     def report_failure(self, message: str) -> None:
         """Tell the other ranks why this one is stopping (first report of this call wins)."""
         if self.store is None or EXITING.is_set():  # at exit the store may be gone: no wait on it

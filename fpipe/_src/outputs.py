@@ -107,16 +107,20 @@ def _grad_of(
     axis, st = inp.axis_of(pos), c.staged
     i = st.n_outs + j
     name = st.out_names[i]
-    src = None if pg is None else c.runner.rank_of(st.producer[name])
+    srcs = set() if pg is None else {c.runner.rank_of(st.producer[n]) for n in st.parts_of(i)}
+    src = min(srcs, default=None)
     g = None
-    if pg is None or src == pg.rank:
+    if pg is None or pg.rank in srcs:
         g = results.sums.get(i) if axis is None else torch.cat([r[i] for r in results.per_mb], dim=axis)
     if pg is None:
         return g
     users = {c.runner.rank_of(p) for p in st.consumers.get((st.param_inputs + st.data_inputs)[pos], [])}
     is_param = pos < len(inp.param_leaves)
-    if is_param and len(users | {src}) == 1:
+    if is_param and len(users | srcs) == 1:
         return g
+    if len(srcs) > 1:  # contributions of several ranks (NOTE [tied gradients] in split.py)
+        g = _sum_over_ranks(pg, g, inp.param_leaves[pos], timeout)
+        return g if pg.rank in users else None
     if is_param and isinstance(inp.param_leaves[pos], DTensor):
         g = broadcast_shard(pg, g, inp.param_leaves[pos], src, timeout)  # type: ignore[arg-type]
         return g if pg.rank in users else None
@@ -127,6 +131,20 @@ def _grad_of(
         g = torch.empty(shape, dtype=dtype, device=pg.device)
     g = pg.broadcast(g.contiguous(), src, timeout, f"receiving a gradient from rank {src}")  # type: ignore[arg-type]
     return g if (not is_param or pg.rank in users) else None
+
+
+def _sum_over_ranks(pg: PPGroup, g: Any, param: torch.Tensor, timeout: float) -> Any:
+    """A gradient whose contributions several pipeline ranks hold, summed: by one all-reduce over
+    the pipeline group per step (a rank holding none adds zeros). A sharded one (a DTensor
+    reduce-scattered over dp already) sums its shards: every rank at one dp position holds the
+    same shard."""
+    like = param.to_local() if isinstance(param, DTensor) else param
+    local = g.to_local() if isinstance(g, DTensor) else g
+    local = torch.zeros(like.shape, dtype=like.dtype, device=pg.device) if local is None else local.contiguous()
+    pg.all_reduce(local, timeout, "summing a gradient's contributions over pipeline ranks")
+    if isinstance(param, DTensor):
+        return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False)
+    return local
 
 
 def _rebuild_grad_tree(inp: Inputs, num: int, grads: list[torch.Tensor | None]) -> Any:

@@ -89,9 +89,11 @@ class GradReducer:
     ):
         self.dp, self.timeout, self.sharded = dp, timeout, sharded  # sharded: output -> its parameter
         st, last = c.staged, {action_place(a): a for a in local}  # each place's last action here
+        order = {a: k for k, a in enumerate(local)}
         self.at: dict[Action, list[int]] = {}
-        for i in sorted(summed):
-            a = last.get(st.producer.get(st.out_names[i]))  # type: ignore[arg-type]
+        for i in sorted(summed):  # after the last action here that writes it (or a contribution)
+            writers = [last[p] for p in (st.producer.get(n) for n in st.parts_of(i)) if p in last]
+            a = max(writers, key=order.__getitem__, default=None)
             self.at.setdefault(a, []).append(i)  # type: ignore[arg-type]
         self.pending: list[tuple[Any, torch.Tensor, list[int]]] = []
 

@@ -179,13 +179,14 @@ def outputs_by_program(
 ) -> dict[Place, list[tuple[int, str, bool]]]:
     """Per program that runs `here`: the step outputs it computes, as (output index, name, whether
     the value is its own: read by no program and no other output, so a program may add it
-    into a running sum instead of returning it)."""
+    into a running sum instead of returning it). A stage's contribution to a gradient computed
+    on several stages is handed in as that gradient (NOTE [tied gradients] in split.py)."""
     index: dict[Place, list[tuple[int, str, bool]]] = {}
     for i, name in enumerate(staged.out_names):
         place = staged.producer.get(name)
         if place is not None and here(place):
             only = not staged.consumers.get(name) and staged.out_names.count(name) == 1
-            index.setdefault(place, []).append((i, name, only))
+            index.setdefault(place, []).append((staged.partial_of.get(i, i), name, only))
     return index
 
 

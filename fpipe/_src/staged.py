@@ -56,6 +56,14 @@ class Staged:
     # Values traced with a non-contiguous layout (a transpose): a rank that receives one lays it
     # out the same way, since the program may view it in a way only that layout allows.
     strides: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    # A parameter's gradient computed on several stages: each further stage's contribution is an
+    # output of its own, appended after the gradients (its index -> the gradient's index), summed
+    # into the gradient (NOTE [tied gradients] in split.py).
+    partial_of: dict[int, int] = dataclasses.field(default_factory=dict)
+
+    def parts_of(self, i: int) -> list[str]:
+        """Output i's name and the names of the contributions added into it."""
+        return [self.out_names[i], *(self.out_names[k] for k, j in self.partial_of.items() if j == i)]
 
     def place_inputs(self, place: Place) -> list[str]:
         return self.programs[place].inputs if place in self.programs else []

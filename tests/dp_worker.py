@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -44,8 +44,19 @@ def tied(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> t
     return F.mse_loss(h @ params["emb"].t(), y)
 
 
+def uneven(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Parameters whose first dimension dp=2 does not divide (5 rows: shards of 3 and 2; 1 row:
+    shards of 1 and 0), so sharded collectives pad."""
+    h = torch.tanh(x @ params["w0"] + params["b0"]) * params["scale"]
+    h = fpipe.stage_boundary(h)
+    return F.mse_loss(torch.tanh(h @ params["w1"] + params["b1"]), y)
+
+
 def params_for(case: str) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
+    if case == "uneven":
+        shapes = {"w0": (D, 5), "b0": (5,), "scale": (1,), "w1": (5, D), "b1": (D,)}
+        return {k: torch.randn(s, generator=g, dtype=torch.float64) * 0.5 for k, s in shapes.items()}
     if case == "tied":
         return {n: torch.randn(D, D, generator=g, dtype=torch.float64) * 0.5 for n in ("emb", "w")}
     out = {}
@@ -78,8 +89,9 @@ CASES = {  # name -> (function, schedule, stages, out_axes); "sharded-": DTensor
     "sharded-1f1b": (mlp, "1f1b", 2, None),
     "sharded-zbv": (mlp, "zbv", 4, None),
     "sharded-tied": (tied, "1f1b", 2, None),
+    "sharded-uneven": (uneven, "1f1b", 2, None),
 }
-ADAMW = ("1f1b", "tied", "sharded-1f1b", "sharded-tied")
+ADAMW = ("1f1b", "tied", "sharded-1f1b", "sharded-tied", "sharded-uneven")
 
 
 def shard(params: dict[str, torch.Tensor], mesh: Any) -> dict[str, torch.Tensor]:
@@ -93,7 +105,7 @@ def whole(t: torch.Tensor) -> torch.Tensor:
 
 def stage_fn(fn: Any, stages: int, sum_loss: bool) -> Any:
     """`fn` with 4 stages merged into `stages` (mlp: drop boundaries after layers 0 and 2)."""
-    if fn is tied or stages == 4:
+    if fn in (tied, uneven) or stages == 4:
         return (lambda p, x, y: fn(p, x, y, sum_loss)) if fn is mlp else fn
 
     def two(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -164,7 +176,13 @@ def adamw_steps(
     state = [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor) and t.dim()]
     kept = sum(t.to_local().numel() if isinstance(t, DTensor) else t.numel() for t in state)
     errs = [float((whole(mine[k]) - ref[k].detach()).abs().max()) for k in sorted(grads)]
-    return {"err": max(errs), "state_fraction": kept / sum(t.numel() for t in state)}
+    held_params = [mine[k] for k in grads]
+    shards = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in held_params)
+    return {
+        "err": max(errs),
+        "state_fraction": kept / sum(t.numel() for t in state),
+        "shard_fraction": shards / sum(p.numel() for p in held_params),
+    }
 
 
 def mismatch(mesh: Any) -> str:
@@ -190,6 +208,74 @@ def wrong_placement(mesh: Any) -> str:
     except ValueError as err:
         return str(err)
     return "no error"
+
+
+def not_the_whole_world() -> str:
+    """A mesh over ranks 0 and 1 of 4: refused at the first call, before any transfer."""
+    mesh = DeviceMesh("cpu", torch.tensor([[0], [1]]), mesh_dim_names=("dp", "pp"))
+    piped = fpipe.pipeline(stage_fn(mlp, 2, False), mesh=mesh, microbatches=M)
+    x, y = data()
+    try:
+        fpipe.value_and_grad(piped)(params_for("1f1b"), x, y)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def indivisible(mesh: Any) -> str:
+    """Each replica's slice of 8 rows in 3 microbatches: refused, naming dp x microbatches."""
+    x, y = data()
+    dp_rank = mesh.get_local_rank("dp")
+    piped = fpipe.pipeline(stage_fn(mlp, 2, False), mesh=mesh, microbatches=3)
+    try:
+        fpipe.value_and_grad(piped)(params_for("1f1b"), x.chunk(2)[dp_rank], y.chunk(2)[dp_rank])
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def gather_log(mesh: Any) -> dict[str, Any]:
+    """Sharded parameters on a schedule with two stages per rank (zbv), over two steps: when each
+    is gathered, made whole and dropped, by this rank's action index (NOTE [gathered stage by
+    stage] in fpipe/_src/sharding.py)."""
+    from fpipe._src import sharding
+
+    events: list[tuple[str, str, int]] = []  # (event, parameter, action index)
+    where = {"k": -1}
+    before, after, launch = sharding.Gatherer.before, sharding.Gatherer.after, sharding.launch_gather
+
+    def spy_before(self: Any, a: Any) -> None:
+        where["k"] += 1
+        before(self, a)
+        events.extend(("whole", n, where["k"]) for n in self.first.get(a, ()))
+
+    def spy_after(self: Any, a: Any) -> None:
+        after(self, a)
+        events.extend(("dropped", n, where["k"]) for n in self.last.get(a, ()))
+
+    def spy_launch(dp: Any, params: list[Any]) -> Any:
+        events.append(("gathered", str(len(params)), where["k"]))
+        return launch(dp, params)
+
+    sharding.Gatherer.before, sharding.Gatherer.after = spy_before, spy_after  # type: ignore[method-assign]
+    sharding.launch_gather = spy_launch
+    try:
+        x, y = data()
+        dp_rank = mesh.get_local_rank("dp")
+        piped = fpipe.pipeline(stage_fn(mlp, 4, False), mesh=mesh, microbatches=M, schedule="zbv")
+        vg = fpipe.value_and_grad(piped)
+        for _ in range(2):
+            where["k"] = -1
+            vg(shard(params_for("1f1b"), mesh), x.chunk(2)[dp_rank], y.chunk(2)[dp_rank])
+        actions = [str(a) for a in piped._last.runner.local_actions]
+        readers = {
+            name: sorted({k for k, a in enumerate(piped._last.runner.local_actions) if (a.kind, a.stage) in places})
+            for name, places in piped._last.staged.consumers.items()
+            if name in piped._last.staged.param_inputs
+        }
+    finally:
+        sharding.Gatherer.before, sharding.Gatherer.after, sharding.launch_gather = before, after, launch  # type: ignore[method-assign]
+    return {"events": events, "actions": actions, "readers": {n: r for n, r in readers.items() if r}}
 
 
 def unknown_dimension() -> str:
@@ -252,6 +338,9 @@ def main() -> None:
     rec["wrong_placement"] = wrong_placement(mesh)
     rec["matmul_share"] = matmul_share(mesh)
     rec["unknown_dimension"] = unknown_dimension()
+    rec["not_the_whole_world"] = not_the_whole_world()
+    rec["indivisible"] = indivisible(mesh)
+    rec["gather_log"] = gather_log(mesh)
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(rec, f)
 

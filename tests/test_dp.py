@@ -15,9 +15,14 @@ from dist_launch import read_json, report, run_torchrun, torchrun_cmd
 TOL = 1e-12
 RANKS = 4
 DEADLINE_S = 300.0
-SHARDED = ["sharded-1f1b", "sharded-zbv", "sharded-tied"]
+SHARDED = ["sharded-1f1b", "sharded-zbv", "sharded-tied", "sharded-uneven"]
 CASES = ["1f1b", "gpipe", "interleaved", "zbv", "sum", "tied", *SHARDED]
-ADAMW = ["1f1b", "tied", "sharded-1f1b", "sharded-tied"]
+ADAMW = ["1f1b", "tied", "sharded-1f1b", "sharded-tied", "sharded-uneven"]
+EXPECTED_KEYS = {
+    "tied": ["emb", "w"],
+    "uneven": ["b0", "b1", "scale", "w0", "w1"],
+    "mlp": [f"{k}{i}" for k in "bw" for i in range(4)],
+}
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +53,7 @@ def test_replicas_are_bitwise_identical(ranks, case):
 @pytest.mark.parametrize("case", CASES)
 def test_every_parameter_gradient_is_returned_by_each_replica(ranks, case):
     """Within each replica (one pipeline), the pipeline ranks' gradients cover every parameter."""
-    expected = ["emb", "w"] if case.endswith("tied") else [f"{k}{i}" for k in "bw" for i in range(4)]
+    expected = EXPECTED_KEYS.get(case.removeprefix("sharded-"), EXPECTED_KEYS["mlp"])
     for dp in (0, 1):
         keys = {k for rec in ranks if rec["dp"] == dp for k in rec[case]["keys"]}
         assert sorted(keys) == sorted(expected), (dp, keys)
@@ -69,11 +74,17 @@ def test_clip_grad_norm_spans_dp_and_pp_counting_each_parameter_once(ranks, case
 @pytest.mark.parametrize("case", SHARDED)
 def test_sharded_gradients_keep_the_parameters_placement_and_adamw_keeps_half_the_state(ranks, case):
     """Gradients come back as DTensors placed Shard(0) like their parameters, so AdamW on the
-    DTensor parameters holds 1/dp of its state on each rank."""
+    DTensor parameters holds 1/dp of its state on each rank (its shards' share where dp does
+    not divide a first dimension: "sharded-uneven")."""
     for rec in ranks:
         assert rec[case]["placements"] == ["(Shard(dim=0),)"], rec[case]
         if case in ADAMW:
-            assert rec[case]["adamw"]["state_fraction"] == 0.5, rec[case]
+            adamw = rec[case]["adamw"]
+            assert adamw["state_fraction"] == adamw["shard_fraction"], rec[case]
+            assert case == "sharded-uneven" or adamw["state_fraction"] == 0.5, rec[case]
+    if case == "sharded-uneven":  # the two replicas of one pipeline rank hold the whole state
+        for pp in (0, 1):
+            assert sum(r[case]["adamw"]["state_fraction"] for r in ranks if r["pp"] == pp) == pytest.approx(1.0)
 
 
 def test_replicated_parameters_keep_the_whole_state(ranks):
@@ -106,3 +117,33 @@ def test_a_mesh_dimension_fpipe_does_not_know_is_refused(ranks):
     for rec in ranks:
         msg = rec["unknown_dimension"]
         assert "the mesh has dimensions ('dp', 'tp')" in msg and "unknown: ['tp']" in msg, msg
+
+
+def test_a_mesh_that_does_not_hold_every_rank_is_refused(ranks):
+    for rec in ranks:
+        msg = rec["not_the_whole_world"]
+        assert "the mesh (dp=2 x pp=1) holds 2 ranks but the job has 4" in msg, msg
+
+
+def test_a_batch_that_dp_times_microbatches_does_not_divide_is_refused(ranks):
+    for rec in ranks:
+        msg = rec["indivisible"]
+        assert "has 8 rows on this rank, its slice of a global batch of 16 over dp=2" in msg, msg
+        assert "a multiple of dp x microbatches = 6" in msg, msg
+
+
+def test_sharded_parameters_are_whole_only_while_their_stage_reads_them(ranks):
+    """NOTE [gathered stage by stage]: on zbv (two stages per rank), over two steps, each sharded
+    parameter is gathered once per step, with its stage's other parameters in one all-gather
+    (one per stage, the next stage's launched one stage ahead), made whole just before the first
+    action of this rank that reads it and dropped right after the last one."""
+    for rec in ranks:
+        log = rec["gather_log"]
+        readers, events = log["readers"], log["events"]
+        assert len(readers) == 4 and len({r[0] for r in readers.values()}) == 2, log  # 2 stages here
+        gathers = [e for e in events if e[0] == "gathered"]
+        assert [int(e[1]) for e in gathers] == [2, 2] * 2, log  # w and b of each stage, per step
+        for name, reads in readers.items():
+            whole = [k for e, n, k in events if n == name and e == "whole"]
+            dropped = [k for e, n, k in events if n == name and e == "dropped"]
+            assert whole == [reads[0]] * 2 and dropped == [reads[-1]] * 2, (name, reads, log)

@@ -78,7 +78,7 @@ class Pipelined:
         """The call's inputs, split into microbatches, and the plan for their signature."""
         self._groups.begin_call()
         inp = inputs_.flatten(self.cfg, params, args, kwargs)
-        mbs = inputs_.split(self.cfg, inp)
+        mbs = inputs_.split(self.cfg, inp, self._groups.replicas)
         return inp, mbs, self._compiler.get(inp, mbs[0], grad_of, has_aux)
 
     def _run(

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -21,8 +23,9 @@ from .inputs import Inputs, device_of
 from .outputs import local_inputs
 from .replicas import GradReducer
 from .rng import set_step
-from .run import Results
-from .sharding import gathered
+from .run import Results, action_place
+from .schedule_data import Action
+from .sharding import Gatherer, local_leaves
 
 
 def execute(
@@ -40,7 +43,7 @@ def execute(
     (NOTE [gradients over replicas] in replicas.py)."""
     st = c.staged
     check_local_params(cfg, pg, inp, c)
-    glob = dict(zip(st.param_inputs, gathered(inp.param_leaves, set(c.local_params or ()))))
+    glob = dict(zip(st.param_inputs, local_leaves(inp.param_leaves)))
     glob.update(zip(st.const_inputs, current_consts(cfg.call, c)))
     if ct is not None:
         glob[st.ct_input] = torch.tensor(ct, dtype=st.meta[st.ct_input][1], device=device_of(pg, inp))
@@ -51,23 +54,57 @@ def execute(
     # history as well, for inputs that require grad, would keep every program's intermediates
     # alive for the whole step. Under a torch.func transform, the transform decides.
     explicit = ct is not None and torch._C._functorch.peek_interpreter_stack() is None
-    reducer = None
-    if dp is not None and ct is not None:
-        positions = {st.n_outs + j: pos for j, pos in enumerate(c.diff) if pos < len(inp.param_leaves)}
-        sharded = {
-            i: inp.param_leaves[pos]
-            for i, pos in positions.items()
-            if isinstance(inp.param_leaves[pos], DTensor)
-        }
-        reducer = GradReducer(dp, c, c.runner.local_actions, summed, sharded, cfg.timeout)  # type: ignore[arg-type]
+    reducer = _reducer(cfg, dp, inp, c, summed) if ct is not None else None
+    gatherer = _gatherer(cfg, dp, inp, c, glob)
     with torch.no_grad() if explicit else contextlib.nullcontext():
-        results = c.runner.run(glob, data, summed, after=reducer.after if reducer else None)
+        results = c.runner.run(
+            glob,
+            data,
+            summed,
+            after=_each(reducer and reducer.after, gatherer and (lambda a, _: gatherer.after(a))),
+            before=gatherer.before if gatherer else None,
+        )
         if reducer is not None:
             reducer.finish(results)
     trace = os.environ.get("FPIPE_TRACE")
     if trace:
         c.runner.timeline.write(f"{trace}.rank{pg.rank if pg else 0}.json")
     return results
+
+
+def _reducer(cfg: Config, dp: PPGroup | None, inp: Inputs, c: Compiled, summed: frozenset[int]) -> Any:
+    """With replicas: what sums the gradients over them (NOTE [gradients over replicas])."""
+    if dp is None:
+        return None
+    st, params = c.staged, inp.param_leaves
+    positions = {st.n_outs + j: pos for j, pos in enumerate(c.diff) if pos < len(params)}
+    sharded = {i: params[pos] for i, pos in positions.items() if isinstance(params[pos], DTensor)}
+    return GradReducer(dp, c, c.runner.local_actions, summed, sharded, cfg.timeout)  # type: ignore[arg-type]
+
+
+def _gatherer(
+    cfg: Config, dp: PPGroup | None, inp: Inputs, c: Compiled, glob: dict[str, torch.Tensor]
+) -> Gatherer | None:
+    """With sharded parameters: what makes them whole stage by stage (NOTE [gathered stage by
+    stage] in sharding.py). A parameter the step returns as an output stays whole."""
+    st, local = c.staged, set(c.local_params or ())
+    sharded = {
+        st.param_inputs[i]: p for i, p in enumerate(inp.param_leaves) if isinstance(p, DTensor) and i in local
+    }
+    if dp is None or not sharded:
+        return None
+    readers = {n: st.consumers.get(n, []) for n in sharded}
+    gatherer = Gatherer(dp, sharded, readers, c.runner.local_actions, glob, cfg.timeout, action_place)  # type: ignore[arg-type]
+    gatherer.keep_whole(set(st.out_names))
+    return gatherer
+
+
+def _each(*hooks: Any) -> Callable[[Action, Results], None] | None:
+    """One after-action hook calling each of `hooks` (None if there are none)."""
+    live = [h for h in hooks if h]
+    if not live:
+        return None
+    return lambda a, results: [h(a, results) for h in live] and None
 
 
 def check_local_params(cfg: Config, pg: PPGroup | None, inp: Inputs, c: Compiled) -> None:

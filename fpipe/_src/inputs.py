@@ -125,8 +125,9 @@ def flatten(cfg: Config, params: Any, args: tuple[Any, ...], kwargs: dict[str, A
     return Inputs(p_leaves, p_spec, data, axes, statics, is_tensor, spec)
 
 
-def split(cfg: Config, inp: Inputs) -> list[list[torch.Tensor]]:
-    """The data leaves of each microbatch (an unsplit leaf is passed whole to every one)."""
+def split(cfg: Config, inp: Inputs, replicas: int = 1) -> list[list[torch.Tensor]]:
+    """The data leaves of each microbatch (an unsplit leaf is passed whole to every one).
+    With `replicas` data-parallel replicas, each leaf is this rank's slice of the global batch."""
     m = cfg.microbatches
     chunks = []
     for j, (t, axis) in enumerate(zip(inp.data_leaves, inp.axes)):
@@ -137,6 +138,13 @@ def split(cfg: Config, inp: Inputs) -> list[list[torch.Tensor]]:
         if size % m:
             good = [d for d in range(1, size + 1) if size % d == 0 and d <= m]
             name = leaf_names(cfg.f, inp.data_spec, inp.is_tensor)[j]
+            if replicas > 1:
+                raise ValueError(
+                    f"{cfg.call}: argument {name} (dim {axis}) has {size} rows on this rank, its "
+                    f"slice of a global batch of {size * replicas} over dp={replicas} replicas, and "
+                    f"{size} is not divisible by microbatches={m}; use a global batch that is a "
+                    f"multiple of dp x microbatches = {replicas * m}, or microbatches={good[-1]}."
+                )
             raise ValueError(
                 f"{cfg.call}: batch size {size} of argument {name} (dim {axis}) is not divisible by "
                 f"microbatches={m}; use a batch that is a multiple of {m} or microbatches={good[-1]}."

@@ -17,17 +17,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor import DTensor
 
 from .compiler import Compiled
 from .dist import PPGroup, group_of, pp_group
 from .run import Results, action_place
 from .schedule_data import Action
+from .sharding import launch_reduce_scatter, unpack_scatter
 
 BUCKET_BYTES = 25 * 2**20
 OVERLAP = True  # False: launch every bucket after the last action (the benchmark's baseline)
@@ -71,8 +73,22 @@ def mesh_groups(mesh: Any, timeout: float) -> Groups:
             f"knows {list(MESH_DIMS)} (unknown: {unknown}). Build it with, e.g., "
             "init_device_mesh(device, (dp, pp), mesh_dim_names=('dp', 'pp'))."
         )
+    _check_covers_the_world(mesh, names)
     dp = group_of(mesh.get_group("dp")) if "dp" in names else None
     return Groups(pp_group(mesh, timeout), dp, mesh["dp"] if dp is not None else None)
+
+
+def _check_covers_the_world(mesh: Any, names: tuple[str, ...]) -> None:
+    """The mesh must hold every rank of the job, each once: a rank outside it has no place in
+    a pipeline or a replica (refused before any collective)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if mesh.size() != world:
+        shape = " x ".join(f"{n}={s}" for n, s in zip(names, mesh.shape))
+        raise ValueError(
+            f"pipeline(mesh=...): the mesh ({shape}) holds {mesh.size()} ranks but the job has "
+            f"{world} (torchrun --nproc-per-node x --nnodes); build the mesh over every rank, e.g. "
+            f"init_device_mesh(device, (dp, pp), mesh_dim_names=('dp', 'pp')) with dp x pp = {world}."
+        )
 
 
 class GradReducer:
@@ -95,7 +111,7 @@ class GradReducer:
             writers = [last[p] for p in (st.producer.get(n) for n in st.parts_of(i)) if p in last]
             a = max(writers, key=order.__getitem__, default=None)
             self.at.setdefault(a, []).append(i)  # type: ignore[arg-type]
-        self.pending: list[tuple[Any, torch.Tensor, list[int]]] = []
+        self.pending: list[tuple[Any, Callable[[Results], None]]] = []
 
     def after(self, a: Action, results: Results) -> None:
         """The runner's hook: launch the buckets whose gradients `a` finished."""
@@ -107,24 +123,33 @@ class GradReducer:
         for idx in list(self.at.values()):
             self._launch(idx, results)
         self.at.clear()
-        for work, flat, idx in self.pending:
-            what = f"summing gradients over {self.dp.size} data-parallel replicas"
+        what = f"summing gradients over {self.dp.size} data-parallel replicas"
+        for work, store in self.pending:
             self.dp.wait_all([work], self.timeout, functools.partial(str, what), poll=True)
-            tensors = [results.sums[i] for i in idx]
-            for i, t in zip(idx, _unflatten_dense_tensors(flat, tensors)):
-                results.sums[i] = t
+            store(results)
         self.pending.clear()
 
     def _launch(self, idx: list[int], results: Results) -> None:
         present = [i for i in idx if results.sums.get(i) is not None]
-        for i in [i for i in present if i in self.sharded]:  # reduce-scattered to the param's shards
-            p = self.sharded[i]
-            part = DTensor.from_local(results.sums[i], p.device_mesh, [Partial()], run_check=False)
-            results.sums[i] = part.redistribute(p.device_mesh, p.placements)
         for bucket in _buckets([i for i in present if i not in self.sharded], results.sums):
             flat = _flatten_dense_tensors([results.sums[i] for i in bucket])
             work = dist.all_reduce(flat, group=self.dp.group, async_op=True)
-            self.pending.append((work, flat, bucket))
+            self.pending.append((work, functools.partial(_store_sums, flat, bucket)))
+        for bucket in _buckets([i for i in present if i in self.sharded], results.sums):
+            params = [self.sharded[i] for i in bucket]  # reduce-scattered to the params' shards
+            work, out = launch_reduce_scatter(self.dp, [results.sums[i] for i in bucket], params)
+            self.pending.append((work, functools.partial(_store_shards, out, bucket, params)))
+
+
+def _store_sums(flat: torch.Tensor, idx: list[int], results: Results) -> None:
+    tensors = [results.sums[i] for i in idx]
+    for i, t in zip(idx, _unflatten_dense_tensors(flat, tensors)):
+        results.sums[i] = t
+
+
+def _store_shards(out: torch.Tensor, idx: list[int], params: list[DTensor], results: Results) -> None:
+    for i, shard in zip(idx, unpack_scatter(out, params)):
+        results.sums[i] = shard  # type: ignore[assignment]
 
 
 def _buckets(idx: list[int], sums: dict[int, torch.Tensor]) -> list[list[int]]:

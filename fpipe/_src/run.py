@@ -334,9 +334,11 @@ class LocalRunner:
         data: Sequence[dict[str, torch.Tensor]],
         summed: frozenset[int] = frozenset(),
         after: Callable[[Action, Results], None] | None = None,
+        before: Callable[[Action], None] | None = None,
     ) -> Results:
         """Run all actions. `glob` holds params, consts and ct; `data[m]` microbatch m's inputs;
-        `after(action, results)` is called after each action this process runs.
+        `before(action)` and `after(action, results)` are called around each action this
+        process runs.
 
         Returns, per microbatch, the joint graph's outputs (values, then gradients).
         """
@@ -353,6 +355,8 @@ class LocalRunner:
             if prog is None:
                 continue
             rank = self.schedule.stage_rank[a.stage]
+            if before is not None:
+                before(a)
             run_program(prog, a, rank, envs[a.mb], glob, self.timeline, self._out_index, results)
             release(prog, envs[a.mb], left[a.mb])
             if after is not None:

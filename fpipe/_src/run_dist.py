@@ -149,6 +149,7 @@ class DistRunner:
         data: Sequence[dict[str, torch.Tensor]],
         summed: frozenset[int] = frozenset(),
         after: Callable[[Action, Results], None] | None = None,
+        before: Callable[[Action], None] | None = None,
     ) -> Results:
         n_out = len(self.staged.out_names)
         results = Results(len(data), n_out, summed, glob.values())
@@ -159,6 +160,8 @@ class DistRunner:
             st.issue(None)
             for a in self.actions:
                 st.current = a
+                if before is not None:  # e.g. gather sharded parameters while receives travel
+                    before(a)
                 start = time.perf_counter()
                 st.wait_recvs(a)
                 if self.need[a]:

@@ -1,20 +1,38 @@
 """Sharded parameters (ZeRO/FSDP-style): DTensors placed `Shard(0)` on the mesh's "dp" sub-mesh.
 
-A step gathers each sharded parameter this rank's stages read once (`gathered`), runs the
-programs on whole tensors, and returns its gradient reduce-scattered to the parameter's own
-placement (`replicas.GradReducer`), so a stock optimizer steps 1/dp of each parameter and keeps
-1/dp of its state. A parameter two pipeline ranks share (a tied embedding and head) is reduced on
-the rank that sums its gradient and its shard sent to the other (`broadcast_shard`).
+# NOTE [gathered stage by stage]
+A step gathers a sharded parameter just before the first action of this rank that reads it
+(`Gatherer.before`): every parameter that action's stage reads is gathered in one all-gather
+per dtype, and the next stage's gather is launched at once, so it travels while this stage
+computes (one stage ahead, as FSDP prefetches). After the last action of this rank that reads
+a parameter, its whole tensor is dropped (`Gatherer.after`): with two stages on a rank (an
+interleaved or V schedule), each stage's parameters are whole from its first action to its last,
+not for the whole step. The gradient comes back reduce-scattered to the parameter's own
+placement (`replicas.GradReducer`, in buckets: `launch_reduce_scatter`), so a stock optimizer
+steps 1/dp of each parameter and keeps 1/dp of its state. A parameter two pipeline ranks share
+(a tied embedding and head) has each rank's contribution reduce-scattered, then the shards summed
+over those ranks (outputs.py); one read on several ranks but differentiated on one is sent to the
+others as its shard (`broadcast_shard`).
+
+Shard(0) splits dim 0 as `torch.chunk` does: c = ceil(n / dp) rows per rank, the last ranks
+fewer (or none). Collectives move every shard padded to c rows, so one flat buffer holds each
+rank's piece of several parameters.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from .dist import PPGroup
+from .schedule_data import Action
 
 
 def check_sharded(call: str, dp_mesh: Any, params: list[torch.Tensor], keys: list[Any]) -> None:
@@ -33,15 +51,153 @@ def check_sharded(call: str, dp_mesh: Any, params: list[torch.Tensor], keys: lis
             )
 
 
-def gathered(params: list[torch.Tensor], local: set[int]) -> list[torch.Tensor]:
-    """The parameters the programs read: a sharded one this rank's stages use, gathered whole
-    (once per step); one they do not use, its shard (never read)."""
-    out = []
-    for i, p in enumerate(params):
-        if isinstance(p, DTensor):
-            p = p.full_tensor() if i in local else p.to_local()
-        out.append(p)
+def local_leaves(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each parameter as this rank holds it: a sharded one as its shard (`Gatherer` puts the
+    whole tensor in its place while this rank's programs read it)."""
+    return [p.to_local() if isinstance(p, DTensor) else p for p in params]
+
+
+# -- the padded flat layout ------------------------------------------------------------------------
+
+
+def _rows(p: DTensor) -> int:
+    """Rows of one padded shard of `p`: ceil(dim 0 / dp)."""
+    return -(-p.shape[0] // p.device_mesh.size())
+
+
+def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """`t` with zero rows appended up to `rows`."""
+    if t.shape[0] == rows:
+        return t
+    return torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))])
+
+
+def _segments(params: list[DTensor]) -> list[tuple[int, int]]:
+    """Each parameter's (offset, length) in one rank's piece of a flat buffer."""
+    out, off = [], 0
+    for p in params:
+        n = _rows(p) * math.prod(p.shape[1:])
+        out.append((off, n))
+        off += n
     return out
+
+
+def launch_gather(dp: PPGroup, params: list[DTensor]) -> tuple[Any, torch.Tensor]:
+    """Start one all-gather of `params` (one dtype): (work, the gathered buffer)."""
+    mine = torch.cat([_padded(p.to_local(), _rows(p)).reshape(-1) for p in params])
+    out = mine.new_empty(dp.size * mine.numel())
+    return dist.all_gather_single(out, mine, group=dp.group, async_op=True), out
+
+
+def unpack_gather(out: torch.Tensor, params: list[DTensor]) -> list[torch.Tensor]:
+    """The whole tensors of `params` from their gathered buffer."""
+    k = params[0].device_mesh.size()
+    by_rank = out.view(k, -1)
+    return [
+        by_rank[:, off : off + n].reshape(k * _rows(p), *p.shape[1:])[: p.shape[0]].contiguous()
+        for p, (off, n) in zip(params, _segments(params))
+    ]
+
+
+def launch_reduce_scatter(
+    dp: PPGroup, grads: list[torch.Tensor], params: list[DTensor]
+) -> tuple[Any, torch.Tensor]:
+    """Start one reduce-scatter (a sum) of whole gradients of `params` (one dtype): (work, this
+    rank's buffer)."""
+    k = dp.size
+    pieces = [_padded(g, k * _rows(p)).reshape(k, -1) for g, p in zip(grads, params)]
+    flat = torch.cat(pieces, dim=1)  # row r: rank r's piece of every gradient
+    if dist.get_backend(dp.group) != "nccl":
+        # gloo's reduce-scatter work reports neither completion nor a finished result when
+        # waited on (torch 2.13: `wait()` returns before the output is written), so it cannot be
+        # waited on with a deadline; an all-reduce of the same buffer gives every rank its row.
+        work = dist.all_reduce(flat, group=dp.group, async_op=True)
+        return work, flat[dp.rank]
+    out = flat.new_empty(flat.shape[1])
+    return dist.reduce_scatter_single(out, flat.reshape(-1), group=dp.group, async_op=True), out
+
+
+def unpack_scatter(out: torch.Tensor, params: list[DTensor]) -> list[DTensor]:
+    """This rank's gradient shards, as DTensors placed like `params`."""
+    shards = []
+    for p, (off, n) in zip(params, _segments(params)):
+        local = out[off : off + n].view(_rows(p), *p.shape[1:])[: p.to_local().shape[0]]
+        shards.append(
+            DTensor.from_local(
+                local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+            )
+        )
+    return shards
+
+
+# -- stage by stage ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Gather:
+    work: Any
+    out: torch.Tensor
+    names: list[str]
+
+
+class Gatherer:
+    """Runner hooks that make sharded parameters whole while this rank's programs read them
+    (NOTE [gathered stage by stage])."""
+
+    def __init__(
+        self,
+        dp: PPGroup,
+        params: dict[str, DTensor],
+        consumers: dict[str, list[Any]],
+        actions: list[Action],
+        glob: dict[str, torch.Tensor],
+        timeout: float,
+        place_of: Callable[[Action], Any],
+    ) -> None:
+        self.dp, self.params, self.glob, self.timeout = dp, params, glob, timeout
+        self.first: dict[Action, list[str]] = {}
+        self.last: dict[Action, list[str]] = {}
+        for name in params:
+            places = set(consumers.get(name, ()))
+            readers = [a for a in actions if place_of(a) in places]
+            if readers:
+                self.first.setdefault(readers[0], []).append(name)
+                self.last.setdefault(readers[-1], []).append(name)
+        self.order = [a for a in actions if a in self.first]
+        self.pending: dict[Action, list[_Gather]] = {}
+
+    def keep_whole(self, names: set[str]) -> None:
+        """Never drop `names` back to their shards (the step returns them)."""
+        self.last = {a: [n for n in ns if n not in names] for a, ns in self.last.items()}
+
+    def before(self, a: Action) -> None:
+        """Make whole what `a` is the first to read, and start the next stage's gather."""
+        if a not in self.first:
+            return
+        self._launch(a)
+        k = self.order.index(a)
+        if k + 1 < len(self.order):
+            self._launch(self.order[k + 1])
+        for g in self.pending.pop(a):
+            what = f"gathering {len(g.names)} sharded parameter(s) over {self.dp.size} replicas"
+            self.dp.wait_all([g.work], self.timeout, functools.partial(str, what), poll=True)
+            self.glob.update(zip(g.names, unpack_gather(g.out, [self.params[n] for n in g.names])))
+
+    def after(self, a: Action) -> None:
+        """Drop the whole tensors `a` was the last to read (back to their shards)."""
+        for name in self.last.get(a, ()):
+            self.glob[name] = self.params[name].to_local()
+
+    def _launch(self, a: Action) -> None:
+        if a in self.pending:
+            return
+        by_dtype: dict[torch.dtype, list[str]] = {}
+        for name in self.first[a]:
+            by_dtype.setdefault(self.params[name].dtype, []).append(name)
+        self.pending[a] = []
+        for names in by_dtype.values():
+            work, out = launch_gather(self.dp, [self.params[n] for n in names])
+            self.pending[a].append(_Gather(work, out, names))
 
 
 def broadcast_shard(pg: PPGroup, g: Any, param: DTensor, src: int, timeout: float) -> DTensor:

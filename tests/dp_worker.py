@@ -269,7 +269,9 @@ def gather_log(mesh: Any) -> dict[str, Any]:
             vg(shard(params_for("1f1b"), mesh), x.chunk(2)[dp_rank], y.chunk(2)[dp_rank])
         actions = [str(a) for a in piped._last.runner.local_actions]
         readers = {
-            name: sorted({k for k, a in enumerate(piped._last.runner.local_actions) if (a.kind, a.stage) in places})
+            name: sorted(
+                {k for k, a in enumerate(piped._last.runner.local_actions) if (a.kind, a.stage) in places}
+            )
             for name, places in piped._last.staged.consumers.items()
             if name in piped._last.staged.param_inputs
         }

@@ -84,7 +84,9 @@ def test_sharded_gradients_keep_the_parameters_placement_and_adamw_keeps_half_th
             assert case == "sharded-uneven" or adamw["state_fraction"] == 0.5, rec[case]
     if case == "sharded-uneven":  # the two replicas of one pipeline rank hold the whole state
         for pp in (0, 1):
-            assert sum(r[case]["adamw"]["state_fraction"] for r in ranks if r["pp"] == pp) == pytest.approx(1.0)
+            assert sum(r[case]["adamw"]["state_fraction"] for r in ranks if r["pp"] == pp) == pytest.approx(
+                1.0
+            )
 
 
 def test_replicated_parameters_keep_the_whole_state(ranks):

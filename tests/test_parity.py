@@ -267,7 +267,9 @@ def test_tied_gradient_contributions_stay_on_their_stages(zoo, stages):
     graph's addition on stage 0 would need)."""
     staged = compiled(_run(zoo, "tied-marked", stages, 4, "1f1b", torch.float64)).staged
     case = zoo.case("tied-marked", stages, torch.float64)
-    j = next(i for i, t in enumerate(fpipe._src.tree.flatten(case.params)[0]) if t is case.params["tok.weight"])
+    j = next(
+        i for i, t in enumerate(fpipe._src.tree.flatten(case.params)[0]) if t is case.params["tok.weight"]
+    )
     i = staged.n_outs + j
     parts = staged.parts_of(i)
     assert sorted(staged.producer[n][1] for n in parts) == [0, stages - 1], (parts, staged.partial_of)

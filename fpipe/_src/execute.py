@@ -104,7 +104,12 @@ def _each(*hooks: Any) -> Callable[[Action, Results], None] | None:
     live = [h for h in hooks if h]
     if not live:
         return None
-    return lambda a, results: [h(a, results) for h in live] and None
+
+    def each(a: Action, results: Results) -> None:
+        for h in live:
+            h(a, results)
+
+    return each
 
 
 def check_local_params(cfg: Config, pg: PPGroup | None, inp: Inputs, c: Compiled) -> None:

@@ -140,7 +140,9 @@ def _sum_over_ranks(pg: PPGroup, g: Any, param: torch.Tensor, timeout: float) ->
     same shard."""
     like = param.to_local() if isinstance(param, DTensor) else param
     local = g.to_local() if isinstance(g, DTensor) else g
-    local = torch.zeros(like.shape, dtype=like.dtype, device=pg.device) if local is None else local.contiguous()
+    local = (
+        torch.zeros(like.shape, dtype=like.dtype, device=pg.device) if local is None else local.contiguous()
+    )
     pg.all_reduce(local, timeout, "summing a gradient's contributions over pipeline ranks")
     if isinstance(param, DTensor):
         return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False)

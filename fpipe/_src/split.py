@@ -48,6 +48,7 @@ from .staged import Place, Program, Staged
 from .trace import Joint, is_mutating
 
 aten = ops.aten
+UNTIE = True  # False: tied gradients summed where the joint graph adds them (bench/tied_grads.py)
 
 __all__ = ["Place", "Program", "Staged", "backward_parts", "count_stages", "split", "split_backward"]
 
@@ -274,7 +275,7 @@ def split(call: str, joint: Joint, stages: int | None) -> Staged:
     """Cut `joint` at its markers into forward and backward programs per stage."""
     placer = _Placer(call, joint)
     placer.run(joint)
-    partial_of = _untie_sums(placer, joint)
+    partial_of = _untie_sums(placer, joint) if UNTIE else {}
     return _build(placer, joint, partial_of)
 
 

@@ -20,7 +20,9 @@ Figures (rank 0 prints them):
    Also timed in the same rounds: one all-reduce of the first schedule's gradient bytes per
    rank over the dp groups, alone (the most overlapping could hide).
 3. Gradient bytes and AdamW state bytes (after one `opt.step()`) per rank, max over ranks, for
-   both layouts. Sharded gradients / optimizer state: not built yet.
+   both layouts and for sharded parameters (DTensors `Shard(0)` on the "dp" sub-mesh: gathered
+   stage by stage, gradients reduce-scattered); also the sharded step's time against the
+   replicated one's (same schedule, timed in the same rounds).
 
 Timing: every mode's pipeline is built once and warmed up (`--warmup` steps); then `--steps`
 rounds each run one step of every mode, the order rotating by round, so the machine's noise hits
@@ -83,16 +85,19 @@ def stages_per_rank(schedule: str) -> int:
 class Mode:
     """One way to run the step: a pipeline, this rank's slice of the batch, the OVERLAP flag."""
 
-    def __init__(self, name: str, piped: Any, x: torch.Tensor, y: torch.Tensor, overlap: bool) -> None:
+    def __init__(
+        self, name: str, piped: Any, x: torch.Tensor, y: torch.Tensor, overlap: bool, own: Any = None
+    ) -> None:
         self.name, self.x, self.y, self.overlap = name, x, y, overlap
         self.vg = fpipe.value_and_grad(piped)
         self.times: list[float] = []
+        self.own = own  # parameters of its own (the sharded mode's DTensors), else the caller's
 
     def step(self, params: dict[str, torch.Tensor]) -> tuple[float, torch.Tensor, dict[str, torch.Tensor]]:
         replicas.OVERLAP = self.overlap
         dist.barrier()
         t0 = time.perf_counter()
-        loss, grads = self.vg(params, self.x, self.y)
+        loss, grads = self.vg(self.own if self.own is not None else params, self.x, self.y)
         dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)
         return float(dt), loss, grads
@@ -213,8 +218,19 @@ def main() -> None:
                 mem[m.name] = memory(params, grads)
     # sharded: the same pipeline, parameters as DTensors Shard(0) on the "dp" sub-mesh
     sharded = {k: distribute_tensor(v, mesh_dp["dp"], [Shard(0)]) for k, v in params.items()}
-    _, sharded_grads = modes[0].vg(sharded, xs, ys)
-    mem["sharded"] = memory(sharded, sharded_grads)
+    piped_sh = fpipe.pipeline(
+        make_loss(args.layers, 2 * stages_per_rank(s0)),
+        mesh=mesh_dp,
+        microbatches=args.microbatches,
+        schedule=s0,
+    )
+    sharded_mode = Mode(f"dp2xpp2 {s0} sharded", piped_sh, xs, ys, True, sharded)
+    for i in range(args.warmup):
+        _, loss, sharded_grads = sharded_mode.step(params)
+        if i == 0:
+            losses[sharded_mode.name] = float(loss)
+            mem["sharded"] = memory(sharded, sharded_grads)
+    modes.append(sharded_mode)
     n_grad = int(mem[modes[0].name][1]) // 4  # fp32 gradient elements of the first mode
     ar = AllReduceOnly(f"dp all-reduce alone ({n_grad * 4 / MiB:.1f} MiB)", n_grad, mesh_dp.get_group("dp"))
     for _ in range(args.warmup):
@@ -260,6 +276,12 @@ def main() -> None:
 
     print(
         f"\n{ar.name}: {med[ar.name]:.4f} s (median; the reduction of a {s0} step, nothing to overlap with)"
+    )
+    a_sh = f"dp2xpp2 {s0} sharded"
+    r1, r2 = ratio(a_sh, a)
+    print(
+        f"sharded / replicated, dp=2 x pp=2 {s0}: {med[a_sh]:.4f} / {med[a]:.4f} s = {r1:.3f} (medians), "
+        f"{r2:.3f} (per-round); first-step loss {losses[a_sh]:.6f}"
     )
 
     print("\n3. bytes per rank (max over ranks), after one AdamW step")

@@ -8,7 +8,8 @@ so each replica's gradient sums are its share of the global gradient, and they a
 dp by all-reduces in buckets of at most `BUCKET_BYTES`. A bucket is launched asynchronously
 right after the last action of this rank that writes its gradients (the stage's last B or W),
 so it travels while other stages compute and the pipeline drains; the step waits for them only
-before it returns. Outputs concatenated over microbatches (per-example values) stay this
+before it returns. Sharded parameters' gradients are reduce-scattered instead, in buckets of
+padded shards (sharding.py). Outputs concatenated over microbatches (per-example values) stay this
 replica's own slice. Every replica reduces the same buckets in the same order, so the
 collectives match.
 """

@@ -6,6 +6,7 @@ rank writes `rank{R}.json` with one record per case.
 * isolation: their store namespaces; a failure reported on one is not seen by the other.
 * branch: `if dist.get_rank() == 1: h = h * 2` on stage 1 -> the error every rank raises.
 * constant: a rank-dependent Python constant on stage 0 -> the error every rank raises.
+* transforms: torch.func.grad / vmap around a pipeline -> the error every rank raises.
 * after: the first two pipelines called once more: the group is still usable after the errors.
 * compile_fails: rank 1 raises while tracing and goes on; rank 0 learns why at once.
 
@@ -121,6 +122,30 @@ def _error_of(piped: fpipe.Pipelined, f: Callable[..., Any]) -> dict[str, Any]:
     return {"error_type": None}
 
 
+def _under_transforms(piped: fpipe.Pipelined) -> dict[str, Any]:
+    """torch.func.grad and vmap around a pipeline in a process group: refused on every rank
+    before any transfer (a transform sees only this rank's stages: the gradients of stage 0's
+    parameters would silently lack stage 1's part)."""
+    params, x, y = _inputs(8)
+    out: dict[str, Any] = {}
+    for name, call in (
+        ("grad", lambda: torch.func.grad(piped)(params, x, y)),
+        ("vmap", lambda: torch.func.vmap(piped, in_dims=(None, 0, 0))(params, x[None], y[None])),
+        (
+            "vmap_of_value_and_grad",
+            lambda: torch.func.vmap(fpipe.value_and_grad(piped), in_dims=(None, 0, 0))(
+                params, x[None], y[None]
+            ),
+        ),
+    ):
+        try:
+            call()
+            out[name] = {"error_type": None}
+        except Exception as err:
+            out[name] = {"error_type": type(err).__name__, "error": str(err)}
+    return out
+
+
 def _compile_fails(out: str) -> dict[str, Any]:
     """Rank 1 fails while compiling, catches it and stays alive (until rank 0 is done, at most
     40 s): rank 0, waiting for it in the comparison of the staged programs, must stop at once
@@ -151,6 +176,7 @@ def _mesh_cases() -> dict[str, Any]:
     dp = mesh.get_local_rank("dp")
     piped = fpipe.pipeline(_mlp, microbatches=MB, mesh=mesh, timeout=60)
     rec: dict[str, Any] = {"dp": dp, "step": _case(lambda: _max_errors(piped, _mlp, 10, dp))}
+    rec["transforms"] = _case(lambda: _under_transforms(piped))
     assert piped.pg is not None
     rec["namespace"] = getattr(piped.pg, "namespace", None)  # (None before issue 17)
     if dp == 0 and piped.pg.rank == 1:  # in the call both replicas are at
@@ -181,6 +207,7 @@ def main() -> None:
     measured = fpipe.pipeline(_measured, stages=2, microbatches=MB, timeout=60, partition="measure")
     record["measured"] = _error_of(measured, _measured)
     record["constant"] = _error_of(fpipe.pipeline(_constant, microbatches=MB, timeout=60), _constant)
+    record["transforms"] = _case(lambda: _under_transforms(a))
     record["after"] = _case(lambda: {"a": _max_errors(a, _mlp, 300), "b": _max_errors(b, _other, 301)})
     record["compile_fails"] = _compile_fails(args.out)
     with open(os.path.join(args.out, f"rank{record['rank']}.json"), "w") as f:

@@ -125,6 +125,21 @@ def flatten(cfg: Config, params: Any, args: tuple[Any, ...], kwargs: dict[str, A
     return Inputs(p_leaves, p_spec, data, axes, statics, is_tensor, spec)
 
 
+def refuse_transforms_in_a_group(call: str, pg: Any) -> None:
+    """A torch.func transform sees only this rank's programs: differentiated or batched across
+    processes, earlier stages' gradients would silently miss the later stages' part (and dp
+    replicas would not be summed). Refused before any collective."""
+    if pg is None or torch._C._functorch.peek_interpreter_stack() is None:
+        return
+    raise ValueError(
+        f"{call}: called under a torch.func transform (grad, vjp, vmap, ...) in a process group; "
+        "a transform sees only this rank's stages, so its gradients would lack the other ranks' "
+        "part. Under torchrun use fpipe.value_and_grad(piped) or fpipe.grad(piped), which run "
+        "the backward through every stage; torch.func transforms around a pipeline work in one "
+        "process."
+    )
+
+
 def split(cfg: Config, inp: Inputs, replicas: int = 1) -> list[list[torch.Tensor]]:
     """The data leaves of each microbatch (an unsplit leaf is passed whole to every one).
     With `replicas` data-parallel replicas, each leaf is this rank's slice of the global batch."""

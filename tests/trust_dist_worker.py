@@ -176,13 +176,13 @@ def _mesh_cases() -> dict[str, Any]:
     dp = mesh.get_local_rank("dp")
     piped = fpipe.pipeline(_mlp, microbatches=MB, mesh=mesh, timeout=60)
     rec: dict[str, Any] = {"dp": dp, "step": _case(lambda: _max_errors(piped, _mlp, 10, dp))}
-    rec["transforms"] = _case(lambda: _under_transforms(piped))
     assert piped.pg is not None
     rec["namespace"] = getattr(piped.pg, "namespace", None)  # (None before issue 17)
     if dp == 0 and piped.pg.rank == 1:  # in the call both replicas are at
         piped.pg.report_failure("rank 1 of replica 0 failed: injected report")
     dist.barrier()
     rec["sees"] = piped.pg.failure()
+    rec["transforms"] = _case(lambda: _under_transforms(piped))  # (after the report: its own call)
     rec["after"] = _case(lambda: _max_errors(piped, _mlp, 20, dp))
     return rec
 

@@ -5,9 +5,9 @@ The public API is this import list; everything else lives in `fpipe._src`.
 
 from . import schedules as schedules
 from ._src.api import Pipelined as Pipelined
-from ._src.api import grad as grad
 from ._src.api import pipeline as pipeline
-from ._src.api import value_and_grad as value_and_grad
+from ._src.autodiff import grad as grad
+from ._src.autodiff import value_and_grad as value_and_grad
 from ._src.functionalize import functionalize as functionalize
 from ._src.marker import stage_boundary as stage_boundary
 from ._src.optim import clip_grad_norm_ as clip_grad_norm_

@@ -24,7 +24,7 @@ from .replicas import Groups, mesh_groups
 from .run import Results, Timeline
 from .schedule import Schedule
 
-__all__ = ["pipeline", "value_and_grad", "grad", "Pipelined"]
+__all__ = ["pipeline", "Pipelined"]
 
 Args: TypeAlias = tuple[Any, ...]
 Kwargs: TypeAlias = dict[str, Any]
@@ -199,13 +199,14 @@ def pipeline(
     timeout: float = DEFAULT_TIMEOUT,
     compile: bool | dict[str, Any] = False,
     partition: str = "estimate",
+    cuts: Any = None,
 ) -> Pipelined:
     """Cut `f` into pipeline stages and run it over microbatches.
 
     Args:
         f: a pure function `f(params, *args, **kwargs)`; `params` is a pytree of tensors.
         stages: number of stages. None: one more than the number of `stage_boundary` calls in
-            `f`. N with no boundaries in `f`: fpipe chooses N balanced stages.
+            `f` (or of `cuts`). N with no boundaries in `f`: fpipe chooses N balanced stages.
         microbatches: number of equal chunks each tensor argument is split into.
         schedule: a registered schedule name (`fpipe.schedules.names()`), a `Schedule`, or a
             function `(pp=, microbatches=) -> Schedule`.
@@ -233,10 +234,14 @@ def pipeline(
             operation's forward + backward timed on the device at one microbatch's shapes,
             averaged over the pipeline ranks; costs a forward-backward's time or so at the
             first call, and balances what the estimate misjudges, such as attention on CPU).
+        cuts: where stages begin, by module path of the model `f` calls through
+            `functionalize`, instead of `stage_boundary` calls: `["blocks.4", "blocks.8"]`, a
+            compiled regex over paths, or `{"blocks": 4}` (every 4th entry); NOTE [cuts by
+            module path] in cuts.py.
 
     Returns:
         A `Pipelined` callable with `f`'s signature; use it under `fpipe.value_and_grad`,
-        `fpipe.grad`, or torch.func transforms.
+        `fpipe.grad`, or (in one process) torch.func transforms.
 
     Raises:
         ValueError: unknown schedule or bad microbatches (at once); bad inputs (on call).
@@ -252,49 +257,9 @@ def pipeline(
         >>> torch.allclose(g, torch.func.grad(f)(w, x), atol=1e-6)
         True
     """
-    Config(f, stages, microbatches, schedule, in_axes, out_axes, mesh, timeout, compile, partition).check()
-    return Pipelined(
-        f, stages=stages, microbatches=microbatches, schedule=schedule, in_axes=in_axes, out_axes=out_axes,
-        mesh=mesh, timeout=timeout, compile=compile, partition=partition,
+    settings = dict(
+        stages=stages, microbatches=microbatches, schedule=schedule, in_axes=in_axes, out_axes=out_axes,
+        mesh=mesh, timeout=timeout, compile=compile, partition=partition, cuts=cuts,
     )  # fmt: skip
-
-
-def value_and_grad(
-    piped: Pipelined, argnums: int | tuple[int, ...] = 0, has_aux: bool = False
-) -> Callable[..., Any]:
-    """`torch.func.grad_and_value`'s meaning, computed by the pipeline schedule, value first.
-
-    Returns a function `(params, *args, **kwargs) -> (value, grads)`; with `has_aux=True`, `f`
-    returns `(loss, aux)` and value is `(loss, aux)`. `grads` mirrors `argnums` (an int gives
-    one pytree, a tuple gives a tuple). Per microbatch each stage runs one forward and one
-    backward action; gradients are accumulated over microbatches.
-
-    Example:
-        >>> import torch, fpipe
-        >>> piped = fpipe.pipeline(lambda w, x: (x @ w).sum(), microbatches=2, out_axes="sum")
-        >>> loss, g = fpipe.value_and_grad(piped)(torch.ones(3), torch.ones(4, 3))
-        >>> g
-        tensor([4., 4., 4.])
-    """
-    if not isinstance(piped, Pipelined):
-        raise TypeError(
-            f"value_and_grad(piped): expected the result of fpipe.pipeline, got {type(piped).__name__}."
-        )
-
-    @functools.wraps(piped)
-    def vg(params: Any, *args: Any, **kwargs: Any) -> Any:
-        return piped.value_and_grad(argnums, has_aux, params, args, kwargs)
-
-    return vg
-
-
-def grad(piped: Pipelined, argnums: int | tuple[int, ...] = 0, has_aux: bool = False) -> Callable[..., Any]:
-    """Like `value_and_grad`, returning only the gradients (with `has_aux`, `(grads, aux)`)."""
-    vg = value_and_grad(piped, argnums, has_aux)
-
-    @functools.wraps(piped)
-    def g(*args: Any, **kwargs: Any) -> Any:
-        value, grads = vg(*args, **kwargs)
-        return (grads, value[1]) if has_aux else grads
-
-    return g
+    Config(f, **settings).check()
+    return Pipelined(f, **settings)

@@ -103,7 +103,9 @@ class Compiler:
         cfg, device = self.cfg, inputs_.device_of(self.pg, inp)
         mode, fakes = make_fakes([*inp.param_leaves, *mb0], device)
         wanting = _wanting_grad(fakes, inp, grad_of)
-        fwd = trace_forward(cfg.call, cfg.f, inputs_.rebuilder(inp), wanting, len(inp.param_leaves), device)
+        fwd = trace_forward(
+            cfg.call, cfg.f, inputs_.rebuilder(inp), wanting, len(inp.param_leaves), device, cfg.cuts
+        )
         stage_costs = self._cut(fwd, [*inp.param_leaves, *mb0], device)
         reductions = self._reductions(fwd, inp)
         diff: list[int] = []
@@ -160,6 +162,11 @@ class Compiler:
             return None
         if has_markers:
             found = count_stages(fwd.gm.graph)
+            if found != stages and self.cfg.cuts is not None:
+                raise ValueError(
+                    f"{self.cfg.call}: stages={stages} but cuts={self.cfg.cuts!r} make {found} "
+                    f"stages; pass stages={found} (or stages=None to follow the cuts)."
+                )
             if found != stages:
                 raise ValueError(
                     f"{self.cfg.call}: stages={stages} but the function's stage_boundary calls "
@@ -239,7 +246,13 @@ class Compiler:
             fakes += [torch.empty(s, dtype=t.dtype, device=device) for s, t in zip(shapes, inp.data_leaves)]
         try:
             return trace_forward(
-                self.cfg.call, self.cfg.f, inputs_.rebuilder(inp), fakes, len(inp.param_leaves)
+                self.cfg.call,
+                self.cfg.f,
+                inputs_.rebuilder(inp),
+                fakes,
+                len(inp.param_leaves),
+                None,
+                self.cfg.cuts,
             )
         except Exception:
             return None

@@ -11,6 +11,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from .cuts import check_cuts
 from .dist import DEFAULT_TIMEOUT
 from .schedule import Schedule, names
 
@@ -36,6 +37,7 @@ class Config:
     timeout: float = DEFAULT_TIMEOUT
     compile: bool | dict[str, Any] = False
     partition: str = "estimate"
+    cuts: Any = None  # module paths where stages begin (NOTE [cuts by module path] in cuts.py)
 
     @property
     def call(self) -> str:
@@ -61,6 +63,7 @@ class Config:
                 f"{call.rstrip(')')}, partition={self.partition!r}): partition must be 'estimate' (a "
                 "static cost model) or 'measure' (time each operation on the device)."
             )
+        check_cuts(call, self.cuts)
         if self.stages is not None and (not isinstance(self.stages, int) or self.stages < 1):
             raise ValueError(
                 f"pipeline({fn_name(self.f)}, stages={self.stages!r}): stages must be a positive int or None."

@@ -160,9 +160,13 @@ class _Placer:
         backward = self._closure({ct})
         fstage = forward_stages(self.graph, backward, self.live)
         self.n_stages = max(fstage.values(), default=0) + 1
-        for node, s in fstage.items():
-            self.place[node] = ("F", s)
+        for node, s in list(fstage.items()):
             mg = _marker_getitem(node)
+            if mg is not None and mg[0] == "F" and self._recomputable(mg[1], fstage, backward):
+                del fstage[node]  # its readers compute it themselves
+                self.identity.add(node)
+                continue
+            self.place[node] = ("F", s)
             if mg is not None and mg[0] == "B":
                 self.identity.add(node)
         self.place[ct] = ("B", self.n_stages - 1)
@@ -172,6 +176,17 @@ class _Placer:
         free = [n for n in self.nodes if n.op == "call_function" and n in self.live and n not in self.place]
         self._place_free(free)
         self._colocate_getitems()
+
+    def _recomputable(self, src: fx.Node, fstage: dict[fx.Node, int], backward: set[fx.Node]) -> bool:
+        """A value computed from parameters and constants alone (a causal mask a model passes
+        to its next block) that reaches a boundary: the boundary is the identity on it, and each
+        program that reads it computes it (it may be copied into several; none sends it)."""
+        return (
+            src.op == "call_function"
+            and src not in fstage
+            and src not in backward
+            and src not in self.data_dep
+        )
 
     def _place_backward(self, node: fx.Node) -> None:
         """Backward work runs at the lowest stage of its backward inputs; a backward marker's

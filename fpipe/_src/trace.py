@@ -44,6 +44,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._python_dispatch import _disable_current_modes
 
 from . import tree
+from .cuts import Cutter
 from .marker import BOUNDARY, BOUNDARY_BWD, boundary_apply, boundary_bwd_apply
 
 __all__ = ["Forward", "Joint", "trace_forward", "trace_joint", "fake_like"]
@@ -111,6 +112,7 @@ class _TraceState:
 
     snapshots: list[tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=list)
     sources: dict[int, tuple[torch.nn.Module, str]] = dataclasses.field(default_factory=dict)
+    cutter: Cutter | None = None  # `pipeline(cuts=...)`: NOTE [cuts by module path] in cuts.py
 
 
 # Per thread and per context, never process-wide: two traces in two threads do not mix.
@@ -129,6 +131,8 @@ def note_module(module: torch.nn.Module) -> None:
     state = _STATE.get()
     if state is None:
         return
+    if state.cutter is not None:
+        state.cutter.install(module)
     with _disable_current_modes():  # a real copy, not a traced one
         for name, t in module.named_buffers():
             state.sources.setdefault(id(t), (module, name))
@@ -137,9 +141,9 @@ def note_module(module: torch.nn.Module) -> None:
 
 
 def _trace(
-    call: str, fn: Callable[..., Any], fakes: Sequence[torch.Tensor]
+    call: str, fn: Callable[..., Any], fakes: Sequence[torch.Tensor], cutter: Cutter | None = None
 ) -> tuple[fx.GraphModule, _TraceState]:
-    state = _TraceState()
+    state = _TraceState(cutter=cutter)
     token = _STATE.set(state)
     try:
         return make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*fakes), state
@@ -148,6 +152,8 @@ def _trace(
         raise  # unreachable
     finally:
         _STATE.reset(token)
+        if cutter is not None:
+            cutter.remove()
         with torch.no_grad():
             for t, saved in reversed(state.snapshots):
                 t.copy_(saved)
@@ -294,9 +300,11 @@ def trace_forward(
     fakes: Sequence[torch.Tensor],
     n_params: int,
     device: torch.device | None = None,
+    cuts: Any = None,
 ) -> Forward:
     """Trace `f(*rebuild(leaves))` into a flat, functional forward graph (see `_functional`);
-    `device`: where meta constants are traced (the data's device)."""
+    `device`: where meta constants are traced (the data's device); `cuts`: module paths where
+    stages begin (NOTE [cuts by module path] in cuts.py)."""
     out_spec: list[Any] = []
 
     def flat_f(*leaves: torch.Tensor) -> list[torch.Tensor]:
@@ -313,7 +321,10 @@ def trace_forward(
         out_spec.append(spec)
         return out_leaves
 
-    gm, state = _trace(call, flat_f, fakes)
+    cutter = Cutter(call, cuts) if cuts is not None else None
+    gm, state = _trace(call, flat_f, fakes, cutter)
+    if cutter is not None:
+        cutter.check(gm.graph.find_nodes(op="call_function", target=BOUNDARY))
     consts = _lift_constants(gm)
     sources = [state.sources.get(id(c)) for c in consts]
     mode = detect_fake_mode(fakes) or FakeTensorMode(allow_non_fake_inputs=True)

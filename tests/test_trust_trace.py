@@ -380,3 +380,23 @@ def test_custom_function_refused_on_plain_calls_without_patching_torch():
     with pytest.raises(ValueError, match="calls the custom autograd.Function _Doubled"):
         fpipe.value_and_grad(piped)(torch.eye(3, dtype=DT), torch.ones(4, 3, dtype=DT))
     assert seen and all(seen)
+
+
+def test_a_constant_value_passed_through_a_boundary_is_recomputed_by_its_readers():
+    """A value computed from constants alone (a mask), read on stage 0 forward and backward and
+    passed through a boundary to stage 1 (as GPT-2 passes its causal mask from block to block):
+    its readers each compute it. It used to be copied into stage 0's programs and read on
+    stage 1 from an output no program produced (KeyError)."""
+
+    def f(w, x):
+        mask = torch.arange(4) % 2 == 0
+        h = torch.where(mask, x @ w, 0.0)
+        h, m = fpipe.stage_boundary((h, mask))
+        return torch.where(m, torch.tanh(h) @ w, 0.0).pow(2).mean()
+
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(4, 4, generator=g, dtype=DT), torch.randn(6, 4, generator=g, dtype=DT)
+    for microbatches in (1, 2):
+        loss, grad = fpipe.value_and_grad(fpipe.pipeline(f, microbatches=microbatches))(w, x)
+        ref_grad, ref_loss = torch.func.grad_and_value(f)(w, x)
+        assert_trees_close((loss, grad), (ref_loss, ref_grad))

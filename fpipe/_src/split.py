@@ -18,7 +18,9 @@ the skip connections and the saved activations: explicit names that the runtime 
   reads it, so no stage waits for another to compute it (recomputing a view costs nothing).
   One that reads the data (the embedding lookup, a slice of the targets) runs once, in the
   earliest program that reads it -- for the targets, on the last stage. What feeds boundary k
-  runs before it, on stage k. A node that mutates its inputs is never copied.
+  runs before it, on stage k. A node that mutates its inputs is never copied. A boundary is the
+  identity on a parameter-and-constant value (a causal mask passed from block to block): each
+  program that reads it on the far side computes it too (`_recomputable`).
 * A node nobody reads that mutates its input (an in-place update of a BatchNorm counter) stays
   with the forward work that follows it in program order. Any other node whose value reaches no
   output (a detach the tracer left, work on a marker element nobody reads) is dropped first, so

@@ -180,10 +180,13 @@ def _start(call: str, path: Any, params: Any, optimizer: Any, extra: Any, pipeli
     return job
 
 
+_NO_DIST = "torch.distributed is disabled, unavailable or uninitialized"  # DCP's, with no_dist too
+
+
 def _quiet() -> Any:
     ctx = warnings.catch_warnings()
     ctx.__enter__()
-    warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+    warnings.filterwarnings("ignore", message=_NO_DIST, category=UserWarning)
     return ctx
 
 
@@ -253,6 +256,8 @@ def async_save(
     or `async_save` in this process waits for this one first. Arguments as for `save`.
     """
     job = _start(f"async_save({str(path)!r}, params)", path, params, optimizer, extra, pipeline)
+    if job.group is None:  # DCP warns from its writer thread, past any catch_warnings: this one only
+        warnings.filterwarnings("ignore", message=_NO_DIST, category=UserWarning)
     ctx = _quiet()
     try:
         up = dcp.async_save(

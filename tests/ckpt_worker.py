@@ -93,6 +93,8 @@ def save_phase(out: str) -> dict[str, Any]:
     fpipe.save(f"{out}/ckpt", params, optimizer=opt, extra={"step": 3}, pipeline=piped)
     fpipe.async_save(f"{out}/ckpt_async", params, optimizer=opt, extra={"step": 3}, pipeline=piped).result()
     rec["load_no_pipeline"] = _error(lambda: fpipe.load(f"{out}/ckpt", params))
+    bad = {"module": torch.nn.Linear(1, 1)} if dist.get_rank() == 1 else {}  # not weights_only-loadable
+    rec["one_rank_refuses"] = _error(lambda: fpipe.save(f"{out}/bad", params, extra=bad, pipeline=piped))
     return rec
 
 

@@ -107,3 +107,12 @@ def test_gpt2_save_pretrained_loads_into_a_meta_model_each_rank_its_stages(run):
     every = set(recs[0]["all"])
     assert all(set(r["local"]) < every for r in recs) and set().union(*(r["local"] for r in recs)) == every
     assert all(r["err"] == 0.0 and abs(r["loss"] - r["ref_loss"]) < 1e-6 for r in recs), recs
+
+
+def test_an_argument_one_rank_alone_gets_wrong_fails_the_save_on_every_rank(run):
+    """Rank 1's extra cannot be read back with weights_only: it raises the ValueError, rank 0 a
+    RuntimeError naming rank 1 (no rank waits in DCP), and nothing is written."""
+    zero, one = (r["save"]["one_rank_refuses"] for r in run["save"])
+    assert one.startswith("ValueError: save(") and "extra holds an object" in one, one
+    assert zero.startswith("RuntimeError: save(") and "rank 1 refused to save, so no rank does" in zero, zero
+    assert not (run["out"] / "bad").exists()

@@ -165,19 +165,43 @@ def _start(call: str, path: Any, params: Any, optimizer: Any, extra: Any, pipeli
     """Check everything, then (collectively) prepare the directory the new checkpoint goes to."""
     for job in list(_pending):
         job.result()
+    lay = _layout(call, pipeline, saving=True)  # the same verdict on every rank
+    group = _group() if lay.distributed else None
+    try:
+        state, blob = _checked(call, params, optimizer, extra, lay)
+    except (TypeError, ValueError) as err:
+        _agree(call, group, err)
+        raise
+    _agree(call, group, None)
+    path = Path(path).absolute()
+    job = _Job(call, path, files.saving_dir(path), state, blob, group)
+    if job.rank0:
+        files.begin(path)
+    if group is not None:
+        dist.barrier(group=group)
+    return job
+
+
+def _checked(
+    call: str, params: Any, optimizer: Any, extra: Any, lay: _Layout
+) -> tuple[dict[str, Any], bytes]:
+    """What this rank writes and `extra`'s bytes; a TypeError or ValueError for bad arguments."""
     _check_params(call, params)
     if extra is not None and not isinstance(extra, dict):
         raise TypeError(f"{call}: extra must be a dict (step, RNG states, ...), got {type(extra).__name__}.")
-    lay = _layout(call, pipeline, saving=True)
-    state = _save_state(call, params, optimizer, lay)
-    blob = files.to_bytes(call, extra or {}, "extra")
-    path = Path(path).absolute()
-    job = _Job(call, path, files.saving_dir(path), state, blob, _group() if lay.distributed else None)
-    if job.rank0:
-        files.begin(path)
-    if job.group is not None:
-        dist.barrier(group=job.group)
-    return job
+    return _save_state(call, params, optimizer, lay), files.to_bytes(call, extra or {}, "extra")
+
+
+def _agree(call: str, group: Any, err: BaseException | None) -> None:
+    """Every rank learns whether any refused the save (an argument error on one rank alone would
+    leave the others waiting in DCP's first collective)."""
+    if group is None:
+        return
+    said: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(said, None if err is None else f"{type(err).__name__}: {err}", group=group)
+    bad = [(r, m) for r, m in enumerate(said) if m is not None]
+    if bad and err is None:
+        raise RuntimeError(f"{call}: rank {bad[0][0]} refused to save, so no rank does: {bad[0][1]}")
 
 
 _NO_DIST = "torch.distributed is disabled, unavailable or uninitialized"  # DCP's, with no_dist too

@@ -163,8 +163,8 @@ class _Job:
 
 def _start(call: str, path: Any, params: Any, optimizer: Any, extra: Any, pipeline: Any) -> _Job:
     """Check everything, then (collectively) prepare the directory the new checkpoint goes to."""
-    for job in list(_pending):
-        job.result()
+    for earlier in list(_pending):
+        earlier.result()
     lay = _layout(call, pipeline, saving=True)  # the same verdict on every rank
     group = _group() if lay.distributed else None
     try:
@@ -289,7 +289,7 @@ def async_save(
         )
     finally:
         ctx.__exit__(None, None, None)
-    up = getattr(up, "upload_completion", up)
+    upload: Future[Any] = getattr(up, "upload_completion", up)  # type: ignore[arg-type]
     done: Future[None] = Future()
 
     def after(f: Future[Any]) -> None:
@@ -301,5 +301,5 @@ def async_save(
 
     handle = AsyncCheckpoint(job.path, done)
     _pending.append(handle)
-    up.add_done_callback(after)
+    upload.add_done_callback(after)
     return handle

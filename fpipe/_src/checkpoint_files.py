@@ -11,6 +11,9 @@ supported, `path` is renamed to `.NAME.previous` and the new directory to `path`
 between the two renames leaves the previous checkpoint complete under `.NAME.previous`, and
 `load` says so). A save killed at any point before the exchange leaves `path` as it was.
 
+Every rank writes into the same directory, and rank 0 lists it: with several machines, `path`
+must be on a filesystem they all see (as DCP's resharding on load needs anyway).
+
 `load` trusts nothing it has not checked: no manifest means no complete checkpoint, and every
 file it lists must exist with its size, before DCP reads anything (so a missing or truncated file
 is an error naming the path, never a partial load).

@@ -18,8 +18,9 @@ run one round of every mode, the order rotating by round, so the machine's noise
 alike. A round is `--every` steps; its first step saves (sync, async), and an async round ends
 by waiting for its checkpoint to be published, so whatever the background writing costs (the
 steps it slows, a residual wait) is charged to its own round. Printed: per mode, the median
-round time and the median over rounds of (its round - the round without a save): the step-time
-cost of one save.
+round time, the median over rounds of (its round - the round without a save): the step-time
+cost of one save, and the median time inside the save call (the loop blocked: for async, the
+staging copy).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +62,7 @@ class Loop:
         self.vg = fpipe.value_and_grad(piped)
         self.opt = torch.optim.AdamW(self.params.values(), lr=1e-3)
         self.mode, self.out, self.every, self.step = mode, out / f"ckpt-{mode}", args.every, 0
+        self.in_call: list[float] = []  # time inside each save call (the loop is blocked)
 
     def one_step(self) -> None:
         _, grads = self.vg(self.params, self.x, self.y)
@@ -67,18 +70,21 @@ class Loop:
         self.opt.step()
         self.step += 1
 
+    def save(self) -> Any:  # None (sync) or the async save in flight
+        if self.mode == "sync":
+            return fpipe.save(self.out, self.params, optimizer=self.opt, extra={"step": self.step})
+        return fpipe.async_save(self.out, self.params, optimizer=self.opt, extra={"step": self.step})
+
     def round(self) -> float:
         """`every` steps, the first one saving; the time until the checkpoint is published."""
         t0 = time.perf_counter()
         handle = None
         for i in range(self.every):
             self.one_step()
-            if i == 0 and self.mode == "sync":
-                fpipe.save(self.out, self.params, optimizer=self.opt, extra={"step": self.step})
-            elif i == 0 and self.mode == "async":
-                handle = fpipe.async_save(
-                    self.out, self.params, optimizer=self.opt, extra={"step": self.step}
-                )
+            if i == 0 and self.mode != "none":
+                t1 = time.perf_counter()
+                handle = self.save()
+                self.in_call.append(time.perf_counter() - t1)
         if handle is not None:
             handle.result()
         return time.perf_counter() - t0
@@ -111,11 +117,15 @@ def main() -> None:
         for k in range(len(loops)):
             loop = loops[(r + k) % len(loops)]
             times[loop.mode].append(loop.round())
-    print(f"| mode | median round of {args.every} steps (ms) | cost of one save (ms, median) |")
-    print("|---|---|---|")
-    for m in modes:
+    print(
+        f"| mode | median round of {args.every} steps (ms) | cost of one save (ms, median) | in the save call (ms) |"
+    )
+    print("|---|---|---|---|")
+    for loop in loops:
+        m = loop.mode
         cost = statistics.median(a - b for a, b in zip(times[m], times["none"]))
-        print(f"| {m} | {statistics.median(times[m]) * 1e3:.0f} | {cost * 1e3:.0f} |")
+        blocked = f"{statistics.median(loop.in_call) * 1e3:.0f}" if loop.in_call else "—"
+        print(f"| {m} | {statistics.median(times[m]) * 1e3:.0f} | {cost * 1e3:.0f} | {blocked} |")
     if args.dir is None:
         shutil.rmtree(root)
 

@@ -8,7 +8,8 @@ AdamW. "save" trains 3 steps at pp=2 and writes `DIR/ckpt` (`fpipe.save`) and `D
 (`fpipe.async_save`). "resume" loads them into models built on the meta device and
 `materialize`d, at pp=4 (from ckpt) and at dp=2 x pp=2 (from ckpt_async, replicas each passing
 half the batch; once more with the parameters sharded as DTensors), trains 3 more steps and
-compares with an uninterrupted 6-step run in one process (`reference`); then loads a GPT-2
+compares with an uninterrupted 6-step run in one process (`reference`); the dp=2 x pp=2 runs
+save their 6-step state (`DIR/ckpt6`, `DIR/ckpt6_sharded`); then it loads a GPT-2
 `save_pretrained` directory into a meta GPT-2 cut in 4 stages. Each rank writes
 `DIR/PHASE.rank{R}.json`; a case that raises is recorded, and the next runs.
 """
@@ -98,8 +99,11 @@ def save_phase(out: str) -> dict[str, Any]:
     return rec
 
 
-def resume(ckpt: str, stages: int, mesh: Any = None, sharded: bool = False) -> dict[str, Any]:
-    """Resume the tied model from `ckpt` on a meta-built, materialised model; 3 more steps."""
+def resume(
+    ckpt: str, stages: int, mesh: Any = None, sharded: bool = False, save_to: str = ""
+) -> dict[str, Any]:
+    """Resume the tied model from `ckpt` on a meta-built, materialised model; 3 more steps;
+    then save the 6-step state to `save_to` (if given) from this layout."""
     part, parts = (mesh.get_local_rank("dp"), 2) if mesh is not None else (0, 1)
     model = build(stages, meta=True)
     piped, params = piped_for(model, mesh)
@@ -112,6 +116,8 @@ def resume(ckpt: str, stages: int, mesh: Any = None, sharded: bool = False) -> d
     opt = torch.optim.AdamW(piped.local(params).values(), lr=LR)
     extra = fpipe.load(ckpt, params, optimizer=opt, pipeline=piped)
     losses = train(piped, params, opt, range(3, 6), part, parts)
+    if save_to:
+        fpipe.save(save_to, params, optimizer=opt, extra={"step": 6}, pipeline=piped)
     ref_losses, ref = reference()
     return {
         "extra": extra, "local": local, "all": sorted(params),
@@ -176,8 +182,8 @@ def main() -> None:
     else:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
         _case(rec, "pp4", lambda: resume(f"{out}/ckpt", 4))
-        _case(rec, "dp2pp2", lambda: resume(f"{out}/ckpt_async", 2, mesh))
-        _case(rec, "dp2pp2_sharded", lambda: resume(f"{out}/ckpt", 2, mesh, sharded=True))
+        _case(rec, "dp2pp2", lambda: resume(f"{out}/ckpt_async", 2, mesh, save_to=f"{out}/ckpt6"))
+        _case(rec, "dp2pp2_sharded", lambda: resume(f"{out}/ckpt", 2, mesh, True, f"{out}/ckpt6_sharded"))
         _case(rec, "gpt2", lambda: gpt2(out))
     with open(os.path.join(out, f"{phase}.rank{rec['rank']}.json"), "w") as f:
         json.dump(rec, f, indent=1)

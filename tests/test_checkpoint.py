@@ -268,3 +268,53 @@ def test_a_safetensors_directory_loads_the_weights_and_names_what_differs(tmp_pa
         fpipe.load(tmp_path / "hf", {**mine, "a.bias": torch.zeros(5, dtype=DT)})
     with pytest.raises(ValueError, match="holds weights only; pass optimizer=None"):
         fpipe.load(tmp_path / "hf", mine, optimizer=torch.optim.SGD(mine.values(), lr=0.1))
+
+
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),  # state {"momentum_buffer": None}: a non-tensor
+    "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=0.1),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.1),
+    "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=0.1, momentum=0.5),
+}
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_any_optimizer_with_tensor_and_scalar_state_round_trips(tmp_path, name):
+    params = _params()
+    opt = OPTIMIZERS[name](params.values())
+    for _ in range(2):
+        for p in params.values():
+            p.grad = torch.ones_like(p)
+        opt.step()
+    fpipe.save(tmp_path / "c", params, optimizer=opt)
+    mine = _params(seed=1)
+    opt2 = OPTIMIZERS[name](mine.values())
+    fpipe.load(tmp_path / "c", mine, optimizer=opt2)
+    want, have = opt.state_dict(), opt2.state_dict()
+    assert want["param_groups"] == have["param_groups"] and want["state"].keys() == have["state"].keys()
+    for i, st in want["state"].items():
+        assert st.keys() == have["state"][i].keys(), (st, have["state"][i])
+        for k, v in st.items():
+            assert (
+                torch.equal(v, have["state"][i][k])
+                if isinstance(v, torch.Tensor)
+                else v == have["state"][i][k]
+            )
+
+
+def test_param_groups_hyperparameters_follow_the_parameters(tmp_path):
+    params = _params()
+    opt = torch.optim.AdamW(
+        [{"params": [params["a.weight"]], "lr": 0.1}, {"params": [params["a.bias"]], "lr": 0.2}]
+    )
+    fpipe.save(tmp_path / "c", params, optimizer=opt)
+    mine = _params()
+    swapped = torch.optim.AdamW([{"params": [mine["a.bias"]], "lr": 9.0}, {"params": [mine["a.weight"]]}])
+    fpipe.load(tmp_path / "c", mine, optimizer=swapped)
+    assert [g["lr"] for g in swapped.param_groups] == [0.2, 0.1]
+    merged = torch.optim.AdamW(mine.values())
+    with pytest.raises(
+        ValueError, match=r"optimizer.param_groups\[0\] holds parameters saved in groups with other"
+    ):
+        fpipe.load(tmp_path / "c", mine, optimizer=merged)

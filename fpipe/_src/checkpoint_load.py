@@ -172,7 +172,11 @@ def _apply_optim(
     for name, (p, bufs) in parts.items():
         prefix = f"{STATE}{name}/"
         tensors = {k[len(prefix) :]: state[k] for k in bufs}
-        optimizer.state[p] = {**tensors, **saved[name]["scalars"]}
+        state_of_p = {**tensors, **saved[name]["scalars"]}
+        if state_of_p:
+            optimizer.state[p] = state_of_p
+        else:  # saved before its first step: none, as a fresh optimizer has
+            optimizer.state.pop(p, None)
     for gi, group in enumerate(optimizer.param_groups):
         names = [n for n, p, _, g in _optim_entries(call, optimizer, params) if g is group and n in saved]
         got = [saved[n]["hparams"] for n in names]

@@ -318,3 +318,8 @@ def test_param_groups_hyperparameters_follow_the_parameters(tmp_path):
         ValueError, match=r"optimizer.param_groups\[0\] holds parameters saved in groups with other"
     ):
         fpipe.load(tmp_path / "c", mine, optimizer=merged)
+
+
+def test_pipeline_must_be_a_pipelined(tmp_path):
+    with pytest.raises(TypeError, match=r"pipeline= must be the result of fpipe.pipeline, got dict"):
+        fpipe.save(tmp_path / "c", _params(), pipeline={})

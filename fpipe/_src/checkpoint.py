@@ -29,6 +29,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 from . import checkpoint_files as files
+from .api import Pipelined
 
 __all__ = ["save", "async_save", "AsyncCheckpoint"]
 
@@ -60,6 +61,10 @@ def _in_group() -> bool:
 
 def _layout(call: str, pipeline: Any, saving: bool) -> _Layout:
     """The run's layout; refused under a process group without `pipeline=` (before a collective)."""
+    if pipeline is not None and not isinstance(pipeline, Pipelined):
+        raise TypeError(
+            f"{call}: pipeline= must be the result of fpipe.pipeline, got {type(pipeline).__name__}."
+        )
     pg = pipeline.pg if pipeline is not None else None  # (may start the process group)
     if not _in_group():
         return _Layout(False)

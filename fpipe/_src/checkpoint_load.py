@@ -38,9 +38,10 @@ def load(
     the files that `params` lacks are ignored, and `{}` is returned.
 
     Raises:
+        FileNotFoundError: no directory at `path`.
         ValueError: no complete checkpoint at `path` (a file missing or truncated: named), or
-            parameters whose names or shapes differ from the checkpoint's (named); under a process
-            group without `pipeline=`.
+            parameters whose names or shapes differ from the checkpoint's (named), or optimizer
+            state it lacks; under a process group without `pipeline=`.
 
     Checkpoints are read with pickle (DCP's `.metadata`): load only checkpoints you trust.
     """

@@ -5,7 +5,7 @@
 
 A tied model (`models.TiedLM`: the embedding is read by the first and the last stage), fp64,
 AdamW. "save" trains 3 steps at pp=2 and writes `DIR/ckpt` (`fpipe.save`) and `DIR/ckpt_async`
-(`fpipe.async_save`). "resume" loads them into models built on the meta device and
+(`fpipe.async_save`, while a 4th step runs). "resume" loads them into models built on the meta device and
 `materialize`d, at pp=4 (from ckpt) and at dp=2 x pp=2 (from ckpt_async, replicas each passing
 half the batch; once more with the parameters sharded as DTensors), trains 3 more steps and
 compares with an uninterrupted 6-step run in one process (`reference`); the dp=2 x pp=2 runs
@@ -92,7 +92,9 @@ def save_phase(out: str) -> dict[str, Any]:
     rec: dict[str, Any] = {"no_pipeline": _error(lambda: fpipe.save(f"{out}/x", params, optimizer=opt))}
     rec["losses"] = train(piped, params, opt, range(3))
     fpipe.save(f"{out}/ckpt", params, optimizer=opt, extra={"step": 3}, pipeline=piped)
-    fpipe.async_save(f"{out}/ckpt_async", params, optimizer=opt, extra={"step": 3}, pipeline=piped).result()
+    handle = fpipe.async_save(f"{out}/ckpt_async", params, optimizer=opt, extra={"step": 3}, pipeline=piped)
+    rec["losses"] += train(piped, params, opt, range(3, 4))  # a step while it writes: not in it
+    handle.result()
     rec["load_no_pipeline"] = _error(lambda: fpipe.load(f"{out}/ckpt", params))
     bad = {"module": torch.nn.Linear(1, 1)} if dist.get_rank() == 1 else {}  # not weights_only-loadable
     rec["one_rank_refuses"] = _error(lambda: fpipe.save(f"{out}/bad", params, extra=bad, pipeline=piped))

@@ -323,3 +323,29 @@ def test_param_groups_hyperparameters_follow_the_parameters(tmp_path):
 def test_pipeline_must_be_a_pipelined(tmp_path):
     with pytest.raises(TypeError, match=r"pipeline= must be the result of fpipe.pipeline, got dict"):
         fpipe.save(tmp_path / "c", _params(), pipeline={})
+
+
+def test_a_sharded_safetensors_save_reads_through_its_index_and_names_a_broken_file(tmp_path):
+    import json
+
+    from safetensors.torch import save_file
+
+    params, hf = _params(), tmp_path / "hf"
+    hf.mkdir()
+    save_file({"a.weight": params["a.weight"]}, str(hf / "model-00001-of-00002.safetensors"))
+    save_file({"a.bias": params["a.bias"]}, str(hf / "model-00002-of-00002.safetensors"))
+    weight_map = {
+        "a.weight": "model-00001-of-00002.safetensors",
+        "a.bias": "model-00002-of-00002.safetensors",
+    }
+    (hf / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    mine = _params(seed=1)
+    fpipe.load(hf, mine)
+    assert all(torch.equal(mine[k], params[k]) for k in params)
+    broken = hf / "model-00002-of-00002.safetensors"
+    os.truncate(broken, broken.stat().st_size - 4)
+    with pytest.raises(ValueError, match=f"{broken} cannot be read"):
+        fpipe.load(hf, mine)
+    broken.unlink()
+    with pytest.raises(ValueError, match=f"{broken} is missing"):
+        fpipe.load(hf, mine)

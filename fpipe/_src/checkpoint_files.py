@@ -95,7 +95,7 @@ def publish(tmp: Path, path: Path) -> None:
         shutil.rmtree(prev, ignore_errors=True)
         os.rename(path, prev)
         os.rename(tmp, path)
-        shutil.rmtree(prev)
+    shutil.rmtree(previous_dir(path), ignore_errors=True)  # (also one an interrupted publish left)
     _fsync_dir(path.parent)
 
 

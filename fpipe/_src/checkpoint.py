@@ -15,6 +15,7 @@ before a byte is read (NOTE [publishing a checkpoint] in checkpoint_files.py).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 from collections.abc import Iterator
@@ -212,11 +213,11 @@ def _agree(call: str, group: Any, err: BaseException | None) -> None:
 _NO_DIST = "torch.distributed is disabled, unavailable or uninitialized"  # DCP's, with no_dist too
 
 
-def _quiet() -> Any:
-    ctx = warnings.catch_warnings()
-    ctx.__enter__()
-    warnings.filterwarnings("ignore", message=_NO_DIST, category=UserWarning)
-    return ctx
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_NO_DIST, category=UserWarning)
+        yield
 
 
 def save(
@@ -248,11 +249,8 @@ def save(
         ({'step': 3}, tensor([1., 1.]))
     """
     job = _start(f"save({str(path)!r}, params)", path, params, optimizer, extra, pipeline)
-    ctx = _quiet()
-    try:
+    with _quiet():
         dcp.save(job.state, storage_writer=job.writer(), process_group=job.group, no_dist=job.group is None)
-    finally:
-        ctx.__exit__(None, None, None)
     job.publish(None)
 
 
@@ -287,13 +285,10 @@ def async_save(
     job = _start(f"async_save({str(path)!r}, params)", path, params, optimizer, extra, pipeline)
     if job.group is None:  # DCP warns from its writer thread, past any catch_warnings: this one only
         warnings.filterwarnings("ignore", message=_NO_DIST, category=UserWarning)
-    ctx = _quiet()
-    try:
+    with _quiet():
         up = dcp.async_save(
             job.state, storage_writer=job.writer(), process_group=job.group, no_dist=job.group is None
         )
-    finally:
-        ctx.__exit__(None, None, None)
     upload: Future[Any] = getattr(up, "upload_completion", up)  # type: ignore[arg-type]
     done: Future[None] = Future()
 

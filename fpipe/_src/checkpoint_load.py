@@ -155,14 +155,11 @@ def _buffer_like(p: torch.Tensor, m: TensorStorageMetadata, group: dict[str, Any
 
 
 def _dcp_load(call: str, path: Path, state: dict[str, Any]) -> None:
-    ctx = _quiet()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _quiet():
             dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=True)
     except Exception as err:
         raise ValueError(f"{call}: reading {path} failed ({type(err).__name__}: {err}).") from err
-    finally:
-        ctx.__exit__(None, None, None)
 
 
 def _apply_optim(

@@ -43,6 +43,8 @@ def load(
             parameters whose names or shapes differ from the checkpoint's (named), or optimizer
             state it lacks; under a process group without `pipeline=`.
 
+    Each rank checks and reads on its own (no collective): a rank that fails here raises, and
+    its peers learn of it at their first step (fpipe's failure report names the rank).
     Checkpoints are read with pickle (DCP's `.metadata`): load only checkpoints you trust.
     """
     call = f"load({str(path)!r}, params)"

@@ -43,8 +43,8 @@ def load(
             parameters whose names or shapes differ from the checkpoint's (named), or optimizer
             state it lacks; under a process group without `pipeline=`.
 
-    Each rank checks and reads on its own (no collective): a rank that fails here raises, and
-    its peers learn of it at their first step (fpipe's failure report names the rank).
+    Each rank checks and reads on its own (no collective): a rank that fails here raises; its
+    peers fail at their first step, which it does not join (as for any rank that stops).
     Checkpoints are read with pickle (DCP's `.metadata`): load only checkpoints you trust.
     """
     call = f"load({str(path)!r}, params)"

@@ -136,6 +136,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--corpus-mib", type=float, default=2.0)
     p.add_argument("--dp", type=int, default=1, help="data-parallel replicas: WORLD_SIZE = dp x pp")
     p.add_argument("--loss-log", metavar="PATH", help="rank 0 writes the per-step losses here as JSON")
+    p.add_argument("--save", metavar="DIR", help="checkpoint directory (fpipe.save), written at the end")
+    p.add_argument("--save-every", type=int, default=0, metavar="N", help="also save every N steps")
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --save DIR")
     args = p.parse_args()
     # Checked here, before any process group or collective: a bad layout fails alike on every rank.
     if args.dp < 1:
@@ -203,27 +206,40 @@ def main() -> None:
     print(f"rank {rank}: {n_mine:,} of {n_all:,} parameters live here", file=sys.stderr, flush=True)
     opt = torch.optim.AdamW(mine.values(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
     step = fpipe.value_and_grad(piped)
+    done = 0
+    if args.resume:  # any number of ranks or stages: each reads the parameters its stages use
+        extra = fpipe.load(args.save, params, optimizer=opt, pipeline=piped)
+        done = extra["step"]
+        gen.set_state(extra["batches"])  # the batch stream where the saved run left it
+        x, y = local(get_batch(data, args, gen, device))
 
     losses, tokens_per_step, t0 = [], args.batch * args.seq, time.perf_counter()
-    bar = progress_bar(args.steps, show=rank == 0)  # the loss is returned on every rank: rank 0 shows it
-    for i in range(1, args.steps + 1):
+    bar = progress_bar(
+        args.steps - done, show=rank == 0
+    )  # the loss is returned on every rank: rank 0 shows it
+    for i in range(done + 1, args.steps + 1):
         loss, grads = step(params, x, y)
         fpipe.clip_grad_norm_(grads, 1.0, pipeline=piped)
         fpipe.set_grads(params, grads)
         opt.step()  # set_grads replaces .grad each step: no zero_grad needed
+        batches = gen.get_state()
         x, y = local(get_batch(data, args, gen, device))
+        if args.save and ((args.save_every and i % args.save_every == 0) or i == args.steps):
+            fpipe.save(
+                args.save, params, optimizer=opt, extra={"step": i, "batches": batches}, pipeline=piped
+            )
         losses.append(loss.item())
-        if i == 1:  # the first step traces and splits the program: time the others apart
+        if i == done + 1:  # the first step traces and splits the program: time the others apart
             first, t0 = time.perf_counter() - t0, time.perf_counter()
-        tok_s = (i - 1) * tokens_per_step / (time.perf_counter() - t0)
+        tok_s = (i - done - 1) * tokens_per_step / (time.perf_counter() - t0)
         bar.set_postfix_str(f"loss {losses[-1]:.3f}, {tok_s:,.0f} tok/s", refresh=False)
         bar.update()
     bar.close()
 
     if rank == 0:
-        tok_s = (args.steps - 1) * tokens_per_step / (time.perf_counter() - t0)
+        tok_s = (args.steps - done - 1) * tokens_per_step / (time.perf_counter() - t0)
         print(
-            f"done: {args.steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}, {tok_s:,.0f} tok/s, "
+            f"done: {args.steps - done} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}, {tok_s:,.0f} tok/s, "
             f"first step {first:.1f} s (traces), wall {time.perf_counter() - start:.1f} s",
             flush=True,
         )

@@ -8,6 +8,9 @@ from ._src.api import Pipelined as Pipelined
 from ._src.api import pipeline as pipeline
 from ._src.autodiff import grad as grad
 from ._src.autodiff import value_and_grad as value_and_grad
+from ._src.checkpoint import async_save as async_save
+from ._src.checkpoint import save as save
+from ._src.checkpoint_load import load as load
 from ._src.functionalize import functionalize as functionalize
 from ._src.marker import stage_boundary as stage_boundary
 from ._src.optim import clip_grad_norm_ as clip_grad_norm_

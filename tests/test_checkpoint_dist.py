@@ -1,0 +1,139 @@
+"""Checkpoints move between layouts (NOTE [checkpoints move between layouts] in
+fpipe/_src/checkpoint.py): two torchrun launches of `tests/ckpt_worker.py` for the module (gloo).
+The first trains a tied model 3 AdamW steps at pp=2 and saves it (`fpipe.save` and
+`fpipe.async_save`); the second resumes it, built on the meta device and materialised, at pp=4
+and at dp=2 x pp=2 (replicated, and sharded as DTensors), and loads a GPT-2 `save_pretrained`
+directory into a meta GPT-2 in 4 stages; this process resumes it at pp=1. Three more steps give
+the losses and parameters of an uninterrupted 6-step run (fp64, 1e-9).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from ckpt_worker import LR, build, piped_for, reference, train
+from dist_launch import read_json, report, run_torchrun, torchrun_cmd
+
+import fpipe
+
+TOL = 1e-9
+DEADLINE_S = 240.0
+RESUMED = ["pp4", "dp2pp2", "dp2pp2_sharded"]
+
+
+def _launch(out: Path, phase: str, ranks: int) -> list[dict[str, Any]]:
+    procs = run_torchrun([torchrun_cmd("ckpt_worker.py", ranks, phase, str(out))], out / phase, DEADLINE_S)
+    recs = [out / f"{phase}.rank{r}.json" for r in range(ranks)]
+    assert all(p.exists() for p in recs) and all(p.rc == 0 for p in procs), report(procs)
+    return [read_json(p) for p in recs]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("ckpt")
+    saved = _launch(out, "save", 2)
+    return {"out": out, "save": saved, "resume": _launch(out, "resume", 4)}
+
+
+def test_the_saved_run_trained_like_the_reference(run):
+    """3 steps, the saves, and a 4th step that ran while `async_save` wrote (the dp=2 x pp=2
+    resume from that checkpoint below has the 3-step state: the 4th step is not in it)."""
+    ref_losses, _ = reference(4)
+    for rec in run["save"]:
+        assert "error" not in rec["save"], rec["save"]
+        assert len(rec["save"]["losses"]) == 4
+        assert max(abs(a - b) for a, b in zip(rec["save"]["losses"], ref_losses)) < TOL
+
+
+def test_every_parameter_is_written_once_under_its_name(run):
+    """The tied embedding (read by both pipeline ranks) is one entry; each parameter's tensor is
+    written by one rank (its owner), so the checkpoint's files hold each key once."""
+    md = dcp.FileSystemReader(run["out"] / "ckpt").read_metadata()
+    names = sorted(dict(build(2).named_parameters()))
+    assert sorted(k for k in md.state_dict_metadata if not k.startswith("optim/")) == names
+    assert sorted(k for k in md.state_dict_metadata if k.startswith("optim/group/")) == [
+        f"optim/group/{n}" for n in names
+    ]
+    for key in names:
+        files = {info.relative_path for idx, info in md.storage_data.items() if idx.fqn == key}
+        assert len(files) == 1, (key, files)
+
+
+@pytest.mark.parametrize("case", RESUMED)
+def test_resumed_run_matches_an_uninterrupted_one(run, case):
+    for rec in run["resume"]:
+        res = rec[case]
+        assert "error" not in res, (rec["rank"], res.get("traceback"))
+        assert res["extra"] == {"step": 3}
+        assert res["loss_err"] < TOL and max(res["param_err"].values()) < TOL, (rec["rank"], res)
+
+
+@pytest.mark.parametrize("case", RESUMED)
+def test_each_rank_loads_only_its_stages_parameters(run, case):
+    """Built on the meta device: each rank's real parameters are its stages' (a strict part of
+    the model at pp=4; each pipeline of the dp=2 x pp=2 mesh holds all of them)."""
+    recs = run["resume"]
+    every = set(recs[0][case]["all"])
+    assert all(set(r[case]["local"]) < every for r in recs)
+    groups = [[0, 1, 2, 3]] if case == "pp4" else [[0, 1], [2, 3]]
+    for g in groups:
+        assert set().union(*(recs[r][case]["local"] for r in g)) == every
+
+
+def test_resume_in_one_process(run):
+    """The pp=2 checkpoint resumed at pp=1 in this process (no pipeline= needed)."""
+    piped, params = piped_for(build(None))
+    opt = torch.optim.AdamW(params.values(), lr=LR)
+    assert fpipe.load(run["out"] / "ckpt", params, optimizer=opt) == {"step": 3}
+    losses = train(piped, params, opt, range(3, 6))
+    ref_losses, ref = reference()
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses[3:])) < TOL
+    assert max(float((params[k] - ref[k]).abs().max()) for k in ref) < TOL
+
+
+def test_save_and_load_under_a_process_group_need_the_pipeline(run):
+    rec = run["save"][0]["save"]
+    assert rec["no_pipeline"].startswith("ValueError: save(") and "pass pipeline=piped" in rec["no_pipeline"]
+    assert (
+        rec["load_no_pipeline"].startswith("ValueError: load(")
+        and "pass pipeline=piped" in rec["load_no_pipeline"]
+    )
+
+
+def test_gpt2_save_pretrained_loads_into_a_meta_model_each_rank_its_stages(run):
+    recs = [r["gpt2"] for r in run["resume"]]
+    assert all("error" not in r for r in recs), recs
+    every = set(recs[0]["all"])
+    assert all(set(r["local"]) < every for r in recs) and set().union(*(r["local"] for r in recs)) == every
+    assert all(r["err"] == 0.0 and abs(r["loss"] - r["ref_loss"]) < 1e-6 for r in recs), recs
+
+
+def test_an_argument_one_rank_alone_gets_wrong_fails_the_save_on_every_rank(run):
+    """Rank 1's extra cannot be read back with weights_only: it raises the ValueError, rank 0 a
+    RuntimeError naming rank 1 (no rank waits in DCP), and nothing is written."""
+    zero, one = (r["save"]["one_rank_refuses"] for r in run["save"])
+    assert one.startswith("ValueError: save(") and "extra holds an object" in one, one
+    assert zero.startswith("RuntimeError: save(") and "rank 1 refused to save, so no rank does" in zero, zero
+    assert not (run["out"] / "bad").exists()
+
+
+@pytest.mark.parametrize("name", ["ckpt6", "ckpt6_sharded"])
+def test_a_dp_x_pp_save_writes_replicated_tensors_once_and_dtensors_as_shards(run, name):
+    """Saved at dp=2 x pp=2: a replicated tensor comes from one rank (replica 0 of its owner); a
+    DTensor as its two Shard(0) halves from both replicas; loaded in one process it is the
+    uninterrupted run after 6 steps."""
+    md = dcp.FileSystemReader(run["out"] / name).read_metadata()
+    names = sorted(dict(build(2).named_parameters()))
+    for key in names:
+        chunks = md.state_dict_metadata[key].chunks  # type: ignore[union-attr]
+        files = {info.relative_path for idx, info in md.storage_data.items() if idx.fqn == key}
+        want = 2 if name.endswith("sharded") else 1
+        assert len(chunks) == want and len(files) == want, (key, chunks, files)
+    _, params = piped_for(build(None))
+    assert fpipe.load(run["out"] / name, params) == {"step": 6}
+    _, ref = reference()
+    assert max(float((params[k] - ref[k]).abs().max()) for k in ref) < TOL

@@ -1,5 +1,5 @@
 """Tied parameters (issue 11): each stage's gradient contribution summed on its stage and once per
-step over ranks (NOTE [tied gradients] in fpipe/_src/split.py), against the joint graph's own
+step over ranks (NOTE [tied gradients] in fpipe/_src/split_tied.py), against the joint graph's own
 addition on the lowest stage, which needs the head's contribution sent once per microbatch.
 
     torchrun --standalone --nproc-per-node 2 bench/tied_grads.py

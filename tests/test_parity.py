@@ -174,7 +174,7 @@ def test_programs_accumulate_the_gradients(zoo, monkeypatch, kind, schedule):
     the program that computes it (`run.accumulating`): every rewritten program runs, no summed
     gradient passes through the runtime's own sum, and the result equals the reference. Each
     Linear weight's gradient is added inside its matrix product (`addmm_`); the tied matrix's
-    gradient has one part per stage (NOTE [tied gradients] in split.py): the head's product is
+    gradient has one part per stage (NOTE [tied gradients] in split_tied.py): the head's product is
     added inside the product too, the lookup's after it, into the same running sum."""
     from fpipe._src import run
 

@@ -118,7 +118,7 @@ def _grad_of(
     is_param = pos < len(inp.param_leaves)
     if is_param and len(users | srcs) == 1:
         return g
-    if len(srcs) > 1:  # contributions of several ranks (NOTE [tied gradients] in split.py)
+    if len(srcs) > 1:  # contributions of several ranks (NOTE [tied gradients] in split_tied.py)
         g = _sum_over_ranks(pg, g, inp.param_leaves[pos], timeout)
         return g if pg.rank in users else None
     if is_param and isinstance(inp.param_leaves[pos], DTensor):

@@ -180,7 +180,7 @@ def outputs_by_program(
     """Per program that runs `here`: the step outputs it computes, as (output index, name, whether
     the value is its own: read by no program and no other output, so a program may add it
     into a running sum instead of returning it). A stage's contribution to a gradient computed
-    on several stages is handed in as that gradient (NOTE [tied gradients] in split.py)."""
+    on several stages is handed in as that gradient (NOTE [tied gradients] in split_tied.py)."""
     index: dict[Place, list[tuple[int, str, bool]]] = {}
     for i, name in enumerate(staged.out_names):
         place = staged.producer.get(name)

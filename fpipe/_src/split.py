@@ -40,16 +40,15 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._ops import ops
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 
 from .marker import BOUNDARY, BOUNDARY_BWD
 from .rng import is_random, seeded
-from .split_iw import backward_parts, split_backward  # re-exported: split and split_backward go together
+from .split_iw import backward_parts, split_backward
+from .split_tied import untie_sums  # re-exported: split and split_backward go together
 from .staged import Place, Program, Staged
 from .trace import Joint, is_mutating
 
-aten = ops.aten
 UNTIE = True  # False: tied gradients summed where the joint graph adds them (bench/tied_grads.py)
 
 __all__ = ["Place", "Program", "Staged", "backward_parts", "count_stages", "split", "split_backward"]
@@ -292,67 +291,11 @@ def split(call: str, joint: Joint, stages: int | None) -> Staged:
     """Cut `joint` at its markers into forward and backward programs per stage."""
     placer = _Placer(call, joint)
     placer.run(joint)
-    partial_of = _untie_sums(placer, joint) if UNTIE else {}
+    partial_of = {}
+    if UNTIE:
+        partial_of = untie_sums(placer.graph, placer.output, placer.place, placer.live, joint)
+        placer.nodes = list(placer.graph.nodes)
     return _build(placer, joint, partial_of)
-
-
-# NOTE [tied gradients]
-# A parameter read on several stages (a tied embedding and head) gets one gradient contribution
-# per stage, and the joint graph adds them (`add(head_part, embedding_part)`), an addition that
-# backward placement puts on the lowest stage: the later stage's contribution would travel to it
-# once per microbatch. Instead, each stage's contribution becomes a step output of its own
-# (`Staged.partial_of`: its index -> the gradient's), summed over microbatches on that stage like
-# any parameter gradient -- into the gradient's own running sum where both stages run in one
-# process -- and the ranks holding contributions add them once per step (outputs.py). Only an
-# addition of two values of the gradient's shape and dtype on different stages is untied, and
-# the sum over microbatches of a + b is the sum of their sums, so the gradient is unchanged.
-
-
-def _untie_sums(pl: _Placer, joint: Joint) -> dict[int, int]:
-    """Split each parameter gradient that adds contributions of several stages into one output
-    per contribution (NOTE [tied gradients]); returns {extra output index: gradient index}."""
-    outs = list(pl.output.args[0])  # type: ignore[arg-type]
-    partial_of: dict[int, int] = {}
-    dropped: list[fx.Node] = []
-    for j, pos in enumerate(joint.diff):
-        i = joint.n_outs + j
-        if pos >= joint.n_params or not isinstance(outs[i], fx.Node) or outs.count(outs[i]) > 1:
-            continue
-        parts = _sum_parts(pl, outs[i], pl.output, dropped)
-        outs[i] = parts[0]
-        for extra in parts[1:]:
-            partial_of[len(outs)] = i
-            outs.append(extra)
-    pl.output.args = (outs,)
-    for node in dropped:  # readers first: an addition is dropped before the additions it reads
-        pl.graph.erase_node(node)
-        pl.place.pop(node, None)
-        pl.live.discard(node)
-    pl.nodes = list(pl.graph.nodes)
-    return partial_of
-
-
-def _sum_parts(pl: _Placer, node: fx.Node, reader: fx.Node, dropped: list[fx.Node]) -> list[fx.Node]:
-    """The terms of the sum `node` whose operands sit on different stages (itself if none)."""
-    args = node.args
-    if node.target is not aten.add.Tensor or node.kwargs or len(node.users) != 1 or reader not in node.users:
-        return [node]
-    if not all(isinstance(a, fx.Node) and a in pl.place and _same_value(a, node) for a in args):
-        return [node]
-    a, b = args
-    if pl.place[a][1] == pl.place[b][1] or a is b:  # type: ignore[index]
-        return [node]
-    dropped.append(node)
-    return _sum_parts(pl, a, node, dropped) + _sum_parts(pl, b, node, dropped)  # type: ignore[arg-type]
-
-
-def _same_value(a: fx.Node, b: fx.Node) -> bool:
-    va, vb = a.meta.get("val"), b.meta.get("val")
-    return (
-        isinstance(va, torch.Tensor)
-        and isinstance(vb, torch.Tensor)
-        and (va.shape, va.dtype) == (vb.shape, vb.dtype)
-    )
 
 
 def _build(pl: _Placer, joint: Joint, partial_of: dict[int, int]) -> Staged:

@@ -58,7 +58,7 @@ class Staged:
     strides: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     # A parameter's gradient computed on several stages: each further stage's contribution is an
     # output of its own, appended after the gradients (its index -> the gradient's index), summed
-    # into the gradient (NOTE [tied gradients] in split.py).
+    # into the gradient (NOTE [tied gradients] in split_tied.py).
     partial_of: dict[int, int] = dataclasses.field(default_factory=dict)
 
     def parts_of(self, i: int) -> list[str]:

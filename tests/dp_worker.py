@@ -37,11 +37,12 @@ def mlp(
 
 
 def tied(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """An embedding-like first layer and a head sharing one weight, on different pipeline ranks."""
-    h = torch.tanh(x @ params["emb"])
+    """An embedding-like first layer and a head sharing one weight, on different pipeline ranks.
+    The shared matrix has 7 rows, so sharded over dp=2 its shards are 4 and 3 rows."""
+    h = torch.tanh(x @ params["emb"].t())
     h = fpipe.stage_boundary(h)
     h = torch.tanh(h @ params["w"])
-    return F.mse_loss(h @ params["emb"].t(), y)
+    return F.mse_loss(h @ params["emb"], y)
 
 
 def uneven(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -58,7 +59,9 @@ def params_for(case: str) -> dict[str, torch.Tensor]:
         shapes = {"w0": (D, 5), "b0": (5,), "scale": (1,), "w1": (5, D), "b1": (D,)}
         return {k: torch.randn(s, generator=g, dtype=torch.float64) * 0.5 for k, s in shapes.items()}
     if case == "tied":
-        return {n: torch.randn(D, D, generator=g, dtype=torch.float64) * 0.5 for n in ("emb", "w")}
+        return {
+            n: torch.randn(7, s, generator=g, dtype=torch.float64) * 0.5 for n, s in (("emb", D), ("w", 7))
+        }
     out = {}
     for i in range(4):
         out[f"w{i}"] = torch.randn(D, D, generator=g, dtype=torch.float64) * 0.5

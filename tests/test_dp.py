@@ -18,6 +18,7 @@ DEADLINE_S = 300.0
 SHARDED = ["sharded-1f1b", "sharded-zbv", "sharded-tied", "sharded-uneven"]
 CASES = ["1f1b", "gpipe", "interleaved", "zbv", "sum", "tied", *SHARDED]
 ADAMW = ["1f1b", "tied", "sharded-1f1b", "sharded-tied", "sharded-uneven"]
+UNEVEN = ("sharded-uneven", "sharded-tied")  # first dimensions dp=2 does not divide (5, 1; 7)
 EXPECTED_KEYS = {
     "tied": ["emb", "w"],
     "uneven": ["b0", "b1", "scale", "w0", "w1"],
@@ -75,14 +76,14 @@ def test_clip_grad_norm_spans_dp_and_pp_counting_each_parameter_once(ranks, case
 def test_sharded_gradients_keep_the_parameters_placement_and_adamw_keeps_half_the_state(ranks, case):
     """Gradients come back as DTensors placed Shard(0) like their parameters, so AdamW on the
     DTensor parameters holds 1/dp of its state on each rank (its shards' share where dp does
-    not divide a first dimension: "sharded-uneven")."""
+    not divide a first dimension: UNEVEN)."""
     for rec in ranks:
         assert rec[case]["placements"] == ["(Shard(dim=0),)"], rec[case]
         if case in ADAMW:
             adamw = rec[case]["adamw"]
             assert adamw["state_fraction"] == adamw["shard_fraction"], rec[case]
-            assert case == "sharded-uneven" or adamw["state_fraction"] == 0.5, rec[case]
-    if case == "sharded-uneven":  # the two replicas of one pipeline rank hold the whole state
+            assert case in UNEVEN or adamw["state_fraction"] == 0.5, rec[case]
+    if case in UNEVEN:  # the two replicas of one pipeline rank hold the whole state
         for pp in (0, 1):
             assert sum(r[case]["adamw"]["state_fraction"] for r in ranks if r["pp"] == pp) == pytest.approx(
                 1.0

@@ -24,7 +24,7 @@ from .dist import PPGroup
 from .inputs import Inputs
 from .replicas import reduce_values
 from .run import Results
-from .sharding import broadcast_shard
+from .sharding import broadcast_shard, like_param
 
 
 def values(
@@ -144,9 +144,7 @@ def _sum_over_ranks(pg: PPGroup, g: Any, param: torch.Tensor, timeout: float) ->
         torch.zeros(like.shape, dtype=like.dtype, device=pg.device) if local is None else local.contiguous()
     )
     pg.all_reduce(local, timeout, "summing a gradient's contributions over pipeline ranks")
-    if isinstance(param, DTensor):
-        return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False)
-    return local
+    return like_param(local, param) if isinstance(param, DTensor) else local
 
 
 def _rebuild_grad_tree(inp: Inputs, num: int, grads: list[torch.Tensor | None]) -> Any:

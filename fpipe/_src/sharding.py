@@ -122,11 +122,7 @@ def unpack_scatter(out: torch.Tensor, params: list[DTensor]) -> list[DTensor]:
     shards = []
     for p, (off, n) in zip(params, _segments(params)):
         local = out[off : off + n].view(_rows(p), *p.shape[1:])[: p.to_local().shape[0]]
-        shards.append(
-            DTensor.from_local(
-                local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
-            )
-        )
+        shards.append(like_param(local, p))
     return shards
 
 
@@ -206,4 +202,12 @@ def broadcast_shard(pg: PPGroup, g: Any, param: DTensor, src: int, timeout: floa
     shard = param.to_local()
     local = g.to_local().contiguous() if g is not None else torch.empty_like(shard)
     pg.broadcast(local, src, timeout, f"receiving a sharded gradient from rank {src}")
-    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False)
+    return like_param(local, param)
+
+
+def like_param(local: torch.Tensor, param: DTensor) -> DTensor:
+    """`local` as this rank's shard of a tensor placed like `param` (its global shape given:
+    `from_local` alone would take dp x the local rows, wrong when dp does not divide dim 0)."""
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )

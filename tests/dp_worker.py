@@ -188,53 +188,45 @@ def adamw_steps(
     }
 
 
+def error_of(mesh: Any, params: Any, x: torch.Tensor, y: torch.Tensor, microbatches: int = M) -> str:
+    """The ValueError a dp step on these inputs raises (before any transfer), or "no error"."""
+    piped = fpipe.pipeline(stage_fn(mlp, 2, False), mesh=mesh, microbatches=microbatches)
+    try:
+        fpipe.value_and_grad(piped)(params, x, y)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def halves(mesh: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """This replica's half of the global batch."""
+    x, y = data()
+    dp_rank = mesh.get_local_rank("dp")
+    return x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]
+
+
 def mismatch(mesh: Any) -> str:
     """Replicas passing slices of different sizes: a ValueError on every rank, before any transfer."""
     x, y = data()
     n = 8 if mesh.get_local_rank("dp") == 0 else 4
-    piped = fpipe.pipeline(stage_fn(mlp, 2, False), mesh=mesh, microbatches=M)
-    try:
-        fpipe.value_and_grad(piped)(params_for("1f1b"), x[:n], y[:n])
-    except ValueError as err:
-        return str(err)
-    return "no error"
+    return error_of(mesh, params_for("1f1b"), x[:n], y[:n])
 
 
 def wrong_placement(mesh: Any) -> str:
     """Parameters replicated (not Shard(0)) on the "dp" sub-mesh: a ValueError before any transfer."""
-    x, y = data()
-    dp_rank = mesh.get_local_rank("dp")
     params = {k: distribute_tensor(v, mesh["dp"], [Replicate()]) for k, v in params_for("1f1b").items()}
-    piped = fpipe.pipeline(stage_fn(mlp, 2, False), mesh=mesh, microbatches=M)
-    try:
-        fpipe.value_and_grad(piped)(params, x.chunk(2)[dp_rank], y.chunk(2)[dp_rank])
-    except ValueError as err:
-        return str(err)
-    return "no error"
+    return error_of(mesh, params, *halves(mesh))
 
 
 def not_the_whole_world() -> str:
     """A mesh over ranks 0 and 1 of 4: refused at the first call, before any transfer."""
     mesh = DeviceMesh("cpu", torch.tensor([[0], [1]]), mesh_dim_names=("dp", "pp"))
-    piped = fpipe.pipeline(stage_fn(mlp, 2, False), mesh=mesh, microbatches=M)
-    x, y = data()
-    try:
-        fpipe.value_and_grad(piped)(params_for("1f1b"), x, y)
-    except ValueError as err:
-        return str(err)
-    return "no error"
+    return error_of(mesh, params_for("1f1b"), *data())
 
 
 def indivisible(mesh: Any) -> str:
     """Each replica's slice of 8 rows in 3 microbatches: refused, naming dp x microbatches."""
-    x, y = data()
-    dp_rank = mesh.get_local_rank("dp")
-    piped = fpipe.pipeline(stage_fn(mlp, 2, False), mesh=mesh, microbatches=3)
-    try:
-        fpipe.value_and_grad(piped)(params_for("1f1b"), x.chunk(2)[dp_rank], y.chunk(2)[dp_rank])
-    except ValueError as err:
-        return str(err)
-    return "no error"
+    return error_of(mesh, params_for("1f1b"), *halves(mesh), microbatches=3)
 
 
 def gather_log(mesh: Any) -> dict[str, Any]:
@@ -286,13 +278,7 @@ def gather_log(mesh: Any) -> dict[str, Any]:
 def unknown_dimension() -> str:
     """A mesh dimension fpipe does not know: a ValueError at the first call, before a transfer."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    piped = fpipe.pipeline(stage_fn(mlp, 2, False), mesh=mesh, microbatches=M)
-    x, y = data()
-    try:
-        fpipe.value_and_grad(piped)(params_for("1f1b"), x, y)
-    except ValueError as err:
-        return str(err)
-    return "no error"
+    return error_of(mesh, params_for("1f1b"), *data())
 
 
 class MatmulFlops(TorchDispatchMode):

@@ -400,3 +400,57 @@ def test_a_constant_value_passed_through_a_boundary_is_recomputed_by_its_readers
         loss, grad = fpipe.value_and_grad(fpipe.pipeline(f, microbatches=microbatches))(w, x)
         ref_grad, ref_loss = torch.func.grad_and_value(f)(w, x)
         assert_trees_close((loss, grad), (ref_loss, ref_grad))
+
+
+class _Counted(torch.nn.Module):
+    """A position counter kept as a plain tensor attribute (a KV cache's length, say)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3).to(DT)
+        self.length = torch.tensor(0)
+
+    def forward(self, x):
+        pos = torch.arange(self.length, self.length + x.shape[1])
+        return self.lin(x) + pos[None, :, None]
+
+
+def test_a_captured_tensor_read_as_a_number_is_refused_naming_the_line():
+    """NOTE [captured values]: the trace would keep the counter's value at trace time (after
+    `m.length += 3` the pipeline returned the old positions' result, no error)."""
+    model = _Counted()
+    fn, params = fpipe.functionalize(model)
+    piped = fpipe.pipeline(lambda p, x: fn(p, x).sum(), microbatches=1)
+    with pytest.raises(ValueError) as err:
+        piped(params, torch.ones(2, 3, 3, dtype=DT))
+    msg = str(err.value)
+    assert "reads the value of a tensor it did not receive as an argument" in msg
+    assert f"{__file__}:" in msg and "torch.arange(self.length, self.length + x.shape[1])" in msg
+
+
+def test_a_number_read_from_a_global_tensor_is_refused_and_from_its_own_tensor_allowed():
+    scale = torch.tensor(2.0, dtype=DT)
+
+    def captured(w, x):
+        return (x @ w).sum() * float(scale + 1)
+
+    def own(w, x):
+        return (x @ w).sum() * float(torch.tensor(2.0) + 1)
+
+    w, x = torch.eye(3, dtype=DT), torch.ones(4, 3, dtype=DT)
+    with pytest.raises(ValueError, match="reads the value of a tensor it did not receive"):
+        fpipe.pipeline(captured, microbatches=2)(w, x)
+    assert float(fpipe.pipeline(own, microbatches=2)(w, x)) == float(own(w, x)) == 36.0
+
+
+def test_a_captured_tensor_used_as_a_tensor_is_read_at_every_call():
+    counter = torch.tensor(1.0, dtype=DT)
+
+    def f(w, x):
+        return (fpipe.stage_boundary(x @ w) * counter).sum()
+
+    w, x = torch.eye(3, dtype=DT), torch.ones(2, 3, dtype=DT)
+    piped = fpipe.pipeline(f, microbatches=1)
+    assert float(piped(w, x)) == 6.0
+    counter.add_(1)
+    assert float(piped(w, x)) == float(f(w, x)) == 12.0

@@ -44,6 +44,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._python_dispatch import _disable_current_modes
 
 from . import tree
+from .captured import RefuseCapturedReads
 from .cuts import Cutter
 from .marker import BOUNDARY, BOUNDARY_BWD, boundary_apply, boundary_bwd_apply
 
@@ -309,7 +310,8 @@ def trace_forward(
 
     def flat_f(*leaves: torch.Tensor) -> list[torch.Tensor]:
         params, args, kwargs = rebuild(list(leaves))
-        out = f(params, *args, **kwargs)
+        with RefuseCapturedReads(call):  # NOTE [captured values] in captured.py
+            out = f(params, *args, **kwargs)
         out_leaves, spec = tree.flatten(out)
         bad = [type(v).__name__ for v in out_leaves if not isinstance(v, torch.Tensor)]
         if bad:

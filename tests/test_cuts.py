@@ -155,3 +155,70 @@ def test_cuts_on_a_hugging_face_model_with_keyword_inputs():
     assert compiled(piped).staged.n_stages == 3
     assert abs(float(value - ref)) < 1e-6 * abs(float(ref))  # transformers' loss is float32 (test_hf_models)
     assert max(float((grads[k] - ref_grads[k]).abs().max()) for k in ref_grads) < 1e-10
+
+
+def _seq(n: int = 4) -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*(torch.nn.Linear(3, 3) for _ in range(n))).double()
+
+
+def test_paths_resolve_in_whichever_functionalized_module_has_them_and_the_root_list():
+    """An encoder and a head functionalized apart: "2" is the encoder's; `{"": 2}` is every 2nd
+    entry of the model itself (a Sequential)."""
+    enc, head = _seq(), torch.nn.Linear(3, 1).double()
+    f_enc, p_enc = fpipe.functionalize(enc)
+    f_head, p_head = fpipe.functionalize(head)
+
+    def loss(p, x):
+        return f_head(p["head"], f_enc(p["enc"], x)).pow(2).mean()
+
+    params, x = {"enc": p_enc, "head": p_head}, torch.ones(4, 3, dtype=torch.float64)
+    ref_grads, ref = torch.func.grad_and_value(loss)(params, x)
+    for cuts in (["2"], {"": 2}):
+        piped = fpipe.pipeline(loss, microbatches=2, cuts=cuts)
+        value, grads = fpipe.value_and_grad(piped)(params, x)
+        assert compiled(piped).staged.n_stages == 2
+        assert abs(float(value - ref)) < 1e-12
+        assert max(float((grads["enc"][k] - ref_grads["enc"][k]).abs().max()) for k in p_enc) < 1e-12
+
+
+class _Odd(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = torch.nn.Embedding(3, 3)
+        self.a, self.b = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        table = self.pos.weight  # read directly: `pos` is never called with a tensor
+        return self.b(torch.func.vmap(self.a)(x) + table.sum())
+
+
+def test_a_cut_that_makes_no_stage_is_refused():
+    """A cut inside torch.func.vmap (the boundary is dropped there) used to leave one stage and
+    no error."""
+    model = _Odd().double()
+    fn, params = fpipe.functionalize(model)
+    x = torch.ones(4, 3, dtype=torch.float64)
+    piped = fpipe.pipeline(lambda p, x: fn(p, x).sum(), microbatches=2, cuts=["a"])
+    with pytest.raises(
+        ValueError, match=r"1 of the cuts at \['a'\] made no stage: a boundary inside torch.func.vmap"
+    ):
+        fpipe.value_and_grad(piped)(params, x)
+
+
+def test_a_named_module_that_receives_no_tensor_is_refused():
+    class NoInput(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bias = torch.nn.Module()
+            self.bias.register_parameter("v", torch.nn.Parameter(torch.zeros(3)))
+            self.bias.forward = lambda: self.bias.v  # called with no arguments
+            self.a = torch.nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.a(x) + self.bias()
+
+    fn, params = fpipe.functionalize(NoInput().double())
+    piped = fpipe.pipeline(lambda p, x: fn(p, x).sum(), microbatches=2, cuts=["bias", "a"])
+    with pytest.raises(ValueError, match=r"cuts name module\(s\) \['bias'\] that receive no tensor"):
+        fpipe.value_and_grad(piped)(params, torch.ones(4, 3, dtype=torch.float64))

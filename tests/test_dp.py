@@ -131,7 +131,7 @@ def test_a_mesh_that_does_not_hold_every_rank_is_refused(ranks):
 def test_a_batch_that_dp_times_microbatches_does_not_divide_is_refused(ranks):
     for rec in ranks:
         msg = rec["indivisible"]
-        assert "has 8 rows on this rank, its slice of a global batch of 16 over dp=2" in msg, msg
+        assert "has 8 rows on this rank, its slice of the global batch over dp=2 replicas" in msg, msg
         assert "a multiple of dp x microbatches = 6" in msg, msg
 
 

@@ -102,10 +102,10 @@ def test_ranks_that_trace_different_functions_fail_before_averaging_measured_cos
     assert errors[0] == errors[1], "every rank says the same"
 
 
-def _check_transforms_refused(records: list[dict[str, Any]]) -> None:
+def _check_transforms_refused(records: list[dict[str, Any]], key: str = "transforms") -> None:
     for rec in records:
         for name in ("grad", "vmap", "vmap_of_value_and_grad"):
-            err = rec["transforms"][name]
+            err = rec[key][name]
             assert err["error_type"] == "ValueError", (rec["rank"], name, err)
             assert (
                 "called under a torch.func transform (grad, vjp, vmap, ...) in a process group"
@@ -122,6 +122,11 @@ def test_torch_func_transforms_around_a_pipeline_are_refused_in_a_process_group(
 
 def test_torch_func_transforms_are_refused_on_a_dp_mesh(mesh_ranks):
     _check_transforms_refused(mesh_ranks)
+
+
+def test_torch_func_transforms_are_refused_on_a_mesh_of_replicas_alone(mesh_ranks):
+    """dp=4 x pp=1: no pipeline group, but each replica's gradients would go unsummed."""
+    _check_transforms_refused(mesh_ranks, "transforms_dp_only")
 
 
 @pytest.mark.parametrize("which", ["a", "b"])

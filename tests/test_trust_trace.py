@@ -454,3 +454,39 @@ def test_a_captured_tensor_used_as_a_tensor_is_read_at_every_call():
     assert float(piped(w, x)) == 6.0
     counter.add_(1)
     assert float(piped(w, x)) == float(f(w, x)) == 12.0
+
+
+class _ScaledByCount(torch.nn.Module):
+    """A buffer the forward advances, then reads, on stage 0; the value is used on stage 1,
+    passed through the boundary or read directly."""
+
+    def __init__(self, through: bool) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4).to(DT)
+        self.register_buffer("count", torch.zeros((), dtype=DT))
+        self.through = through
+
+    def forward(self, x):
+        self.count.add_(1.0)
+        scale = self.count * 2.0
+        if self.through:
+            h, scale = fpipe.stage_boundary((torch.tanh(self.a(x)), scale))
+        else:
+            h = fpipe.stage_boundary(torch.tanh(self.a(x)))
+        return (h * scale).sum()
+
+
+@pytest.mark.parametrize("through", [True, False])
+def test_a_value_computed_from_a_written_buffer_is_computed_once_before_the_write(through):
+    """A later stage used to recompute `count * 2` from the buffer after stage 0 had advanced it:
+    twice the loss and gradients, no error (`through=False` since the first split; `True` with
+    the boundary's identity on parameter-only values)."""
+    torch.manual_seed(0)
+    model = _ScaledByCount(through)
+    ref = copy.deepcopy(model)
+    fn, params = fpipe.functionalize(model)
+    x = torch.randn(8, 4, dtype=DT, generator=torch.Generator().manual_seed(1))
+    loss, grads = fpipe.value_and_grad(fpipe.pipeline(fn, microbatches=1, out_axes="sum"))(params, x)
+    ref_loss = ref(x)
+    ref_loss.backward()
+    assert_trees_close((loss, grads["a.bias"], model.count), (ref_loss.detach(), ref.a.bias.grad, ref.count))

@@ -183,6 +183,10 @@ def _mesh_cases() -> dict[str, Any]:
     dist.barrier()
     rec["sees"] = piped.pg.failure()
     rec["transforms"] = _case(lambda: _under_transforms(piped))  # (after the report: its own call)
+    dp_only = init_device_mesh("cpu", (4, 1), mesh_dim_names=("dp", "pp"))  # no pipeline group
+    rec["transforms_dp_only"] = _case(
+        lambda: _under_transforms(fpipe.pipeline(_mlp, microbatches=MB, mesh=dp_only))
+    )
     rec["after"] = _case(lambda: _max_errors(piped, _mlp, 20, dp))
     return rec
 

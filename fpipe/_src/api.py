@@ -77,7 +77,7 @@ class Pipelined:
     ) -> tuple[inputs_.Inputs, list[list[torch.Tensor]], Compiled]:
         """The call's inputs, split into microbatches, and the plan for their signature."""
         self._groups.begin_call()
-        inputs_.refuse_transforms_in_a_group(self.cfg.call, self._groups.pp)
+        inputs_.refuse_transforms_in_a_group(self.cfg.call, self._groups.pp or self._groups.dp)
         inp = inputs_.flatten(self.cfg, params, args, kwargs)
         mbs = inputs_.split(self.cfg, inp, self._groups.replicas)
         return inp, mbs, self._compiler.get(inp, mbs[0], grad_of, has_aux)

@@ -11,15 +11,20 @@ that `fpipe.functionalize` wrapped (`module.named_modules()`). The forms:
 * a list of paths: `["blocks.4", "blocks.8"]`;
 * a compiled regex, matched in full against every path: `re.compile(r"blocks\\.(4|8)")`;
 * `{ModuleList path: k}`: before every k-th entry, `{"blocks": 4}` = blocks.4, blocks.8, ...
+  (`""`: the model itself, an `nn.Sequential`).
 
 A path that does not exist is refused with the closest real ones; a rule that matches no
 module is refused; `cuts` together with `stage_boundary` calls in `f` is refused (one way to
-say where stages begin). A module called twice begins a stage at each call.
+say where stages begin). A model that calls several functionalized modules resolves each path in
+whichever of them has it. A named module that receives no tensor, or a cut that makes no stage
+(inside `torch.func.vmap`, where boundaries are dropped), is refused. A module called twice
+begins a stage at each call.
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
 import re
 from typing import Any
 
@@ -49,48 +54,29 @@ def check_cuts(call: str, cuts: Any) -> None:
     )
 
 
-def resolve(call: str, cuts: Any, module: nn.Module) -> list[str]:
-    """The module paths `cuts` names in `module`, in module order."""
+def _named(cuts: Any, module: nn.Module) -> list[str]:
+    """The paths `cuts` names in `module` (none, if it names another module's)."""
     paths = [p for p, _ in module.named_modules() if p]
     if isinstance(cuts, re.Pattern):
-        found = [p for p in paths if cuts.fullmatch(p)]
-        if not found:
-            raise ValueError(
-                f"{call}: cuts={cuts.pattern!r} matches none of {type(module).__name__}'s module "
-                f"paths ({_some(paths)}); the pattern must match a whole path."
-            )
-        return found
+        return [p for p in paths if cuts.fullmatch(p)]
     if isinstance(cuts, dict):
-        return [p for name, k in cuts.items() for p in _every(call, module, name, k)]
-    missing = [p for p in cuts if p not in paths]
-    if missing:
-        hints = {p: difflib.get_close_matches(p, paths, n=3, cutoff=0.5) for p in missing}
-        said = "; ".join(f"{p!r} (closest: {hints[p] or _some(paths)})" for p in missing)
-        raise ValueError(
-            f"{call}: cuts names module path(s) that {type(module).__name__} does not have: "
-            f"{said}. Paths are those of module.named_modules()."
-        )
+        return [p for name, k in cuts.items() for p in _every(module, name, k)]
     return [p for p in paths if p in set(cuts)]
 
 
-def _every(call: str, module: nn.Module, name: str, k: int) -> list[str]:
+def _entries(module: nn.Module, name: str) -> nn.ModuleList | nn.Sequential | None:
+    """The ModuleList or Sequential at `name` ("" the module itself), or None."""
     try:
-        entries = module.get_submodule(name)
+        found = module.get_submodule(name) if name else module
     except AttributeError:
-        entries = None
-    if not isinstance(entries, (nn.ModuleList, nn.Sequential)):
-        lists = [p for p, m in module.named_modules() if isinstance(m, (nn.ModuleList, nn.Sequential)) and p]
-        raise ValueError(
-            f"{call}: cuts={{{name!r}: {k}}} needs {name!r} to be a ModuleList or Sequential of "
-            f"{type(module).__name__}; its lists are {_some(lists)}."
-        )
-    found = [f"{name}.{i}" for i in range(k, len(entries), k)]
-    if not found:
-        raise ValueError(
-            f"{call}: cuts={{{name!r}: {k}}}: {name!r} has {len(entries)} entries, so no entry "
-            f"is the k-th; use k < {len(entries)}."
-        )
-    return found
+        return None
+    return found if isinstance(found, (nn.ModuleList, nn.Sequential)) else None
+
+
+def _every(module: nn.Module, name: str, k: int) -> list[str]:
+    entries = _entries(module, name)
+    prefix = f"{name}." if name else ""
+    return [f"{prefix}{i}" for i in range(k, len(entries), k)] if entries is not None else []
 
 
 def _some(paths: list[str], n: int = 6) -> str:
@@ -98,27 +84,32 @@ def _some(paths: list[str], n: int = 6) -> str:
 
 
 class Cutter:
-    """The hooks one forward trace installs for `cuts` (`trace.note_module` calls `install`)."""
+    """The hooks one forward trace installs for `cuts` (`trace.note_module` calls `install`), and
+    the check, after the trace, that each cut took effect."""
 
     def __init__(self, call: str, cuts: Any) -> None:
         self.call, self.cuts = call, cuts
         self.handles: list[Any] = []
-        self.modules: set[int] = set()
+        self.modules: list[nn.Module] = []
+        self.named: list[str] = []  # the paths found, over every module the trace called
+        self.empty: set[str] = set()  # named modules that received no tensor
         self.placed = 0  # boundaries the hooks inserted
 
     def install(self, module: nn.Module) -> None:
-        if id(module) in self.modules:
+        if any(m is module for m in self.modules):
             return
-        self.modules.add(id(module))
-        for path in resolve(self.call, self.cuts, module):
-            hook = module.get_submodule(path).register_forward_pre_hook(self._cut, with_kwargs=True)
-            self.handles.append(hook)
+        self.modules.append(module)
+        for path in _named(self.cuts, module):
+            hook = functools.partial(self._cut, path)
+            self.handles.append(module.get_submodule(path).register_forward_pre_hook(hook, with_kwargs=True))
+            self.named.append(path)
 
-    def _cut(self, _module: nn.Module, args: Any, kwargs: Any) -> Any:
+    def _cut(self, path: str, _module: nn.Module, args: Any, kwargs: Any) -> Any:
         """The module's tensor inputs through one `stage_boundary` (other inputs as they are)."""
         leaves, spec = tree.flatten((args, kwargs))
         at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         if not at:
+            self.empty.add(path)
             return None
         self.placed += 1
         for i, t in zip(at, stage_boundary([leaves[i] for i in at])):
@@ -126,35 +117,78 @@ class Cutter:
         return tree.unflatten(leaves, spec)
 
     def check(self, markers: list[Any]) -> None:
-        """After the trace: the cuts took effect, and they are the function's only markers."""
+        """After the trace: every cut names a module, took effect, and is the only kind of marker."""
         if not self.modules:
             raise ValueError(
                 f"{self.call}: cuts= names module paths, but the function called no module "
                 "wrapped by fpipe.functionalize while it was traced; call the model through the "
                 "fn that functionalize returned, or mark stages with fpipe.stage_boundary."
             )
+        self._check_named()
+        if self.empty:
+            raise ValueError(
+                f"{self.call}: cuts name module(s) {sorted(self.empty)} that receive no tensor, so "
+                "no stage can begin at them; cut at a module that reads their output instead."
+            )
         if self.placed == 0:
             raise ValueError(
-                f"{self.call}: cuts={self.cuts!r}: the named modules exist but never ran (or "
-                "received no tensor) in the traced call, so no stage begins there."
+                f"{self.call}: cuts={self.cuts!r}: the named modules exist but never ran in the "
+                "traced call, so no stage begins there."
             )
         if len(markers) > self.placed:
             raise ValueError(
                 f"{self.call}: the function calls fpipe.stage_boundary and passes cuts=; mark "
                 "stages one way: remove the stage_boundary calls, or the cuts argument."
             )
+        if len(markers) < self.placed:
+            raise ValueError(
+                f"{self.call}: {self.placed - len(markers)} of the cuts at {sorted(set(self.named))} "
+                "made no stage: a boundary inside torch.func.vmap (or another transform) is "
+                "dropped. Cut at a module called outside the transform."
+            )
+
+    def _check_named(self) -> None:
+        paths = [p for m in self.modules for p, _ in m.named_modules() if p]
+        names = " and ".join(type(m).__name__ for m in self.modules)
+        if isinstance(self.cuts, re.Pattern) and not self.named:
+            raise ValueError(
+                f"{self.call}: cuts={self.cuts.pattern!r} matches none of {names}'s module paths "
+                f"({_some(paths)}); the pattern must match a whole path."
+            )
+        if isinstance(self.cuts, dict):
+            for name, k in self.cuts.items():
+                self._check_every(name, k, names)
+        elif not isinstance(self.cuts, re.Pattern):
+            missing = [p for p in self.cuts if p not in paths]
+            if missing:
+                hints = {p: difflib.get_close_matches(p, paths, n=3, cutoff=0.5) for p in missing}
+                said = "; ".join(f"{p!r} (closest: {hints[p] or _some(paths)})" for p in missing)
+                raise ValueError(
+                    f"{self.call}: cuts names module path(s) that {names} does not have: {said}. "
+                    "Paths are those of module.named_modules()."
+                )
+
+    def _check_every(self, name: str, k: int, names: str) -> None:
+        lists = [e for e in (_entries(m, name) for m in self.modules) if e is not None]
+        if not lists:
+            found = [
+                p
+                for m in self.modules
+                for p, x in m.named_modules()
+                if isinstance(x, (nn.ModuleList, nn.Sequential))
+            ]
+            raise ValueError(
+                f"{self.call}: cuts={{{name!r}: {k}}} needs {name!r} to be a ModuleList or "
+                f"Sequential of {names}; its lists are {_some([p or repr('') for p in found])}."
+            )
+        n = max(len(e) for e in lists)
+        if k >= n:
+            raise ValueError(
+                f"{self.call}: cuts={{{name!r}: {k}}}: {name!r} has {n} entries, so no entry is the "
+                f"k-th; use k < {n}."
+            )
 
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
         self.handles.clear()
-
-
-def _has_tensor(tree: Any) -> bool:
-    if isinstance(tree, torch.Tensor):
-        return True
-    if isinstance(tree, (list, tuple)):
-        return any(_has_tensor(t) for t in tree)
-    if isinstance(tree, dict):
-        return any(_has_tensor(t) for t in tree.values())
-    return False

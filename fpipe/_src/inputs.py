@@ -156,9 +156,10 @@ def split(cfg: Config, inp: Inputs, replicas: int = 1) -> list[list[torch.Tensor
             if replicas > 1:
                 raise ValueError(
                     f"{cfg.call}: argument {name} (dim {axis}) has {size} rows on this rank, its "
-                    f"slice of a global batch of {size * replicas} over dp={replicas} replicas, and "
-                    f"{size} is not divisible by microbatches={m}; use a global batch that is a "
-                    f"multiple of dp x microbatches = {replicas * m}, or microbatches={good[-1]}."
+                    f"slice of the global batch over dp={replicas} replicas, and {size} is not "
+                    f"divisible by microbatches={m}; give every replica an equal slice of a global "
+                    f"batch that is a multiple of dp x microbatches = {replicas * m}, or use "
+                    f"microbatches={good[-1]}."
                 )
             raise ValueError(
                 f"{cfg.call}: batch size {size} of argument {name} (dim {axis}) is not divisible by "
@@ -272,9 +273,10 @@ def argnum_positions(call: str, inp: Inputs, argnums: tuple[int, ...]) -> list[i
 
 
 def param_keys(inp: Inputs) -> list[Any]:
-    """For a params dict: the key of each flat parameter leaf, in leaf order (else [])."""
+    """For a flat params dict: the key of each parameter leaf, in leaf order (else [], as for a
+    nested dict or a list: nothing downstream is keyed by name then)."""
     positions = tree.unflatten(list(range(len(inp.param_leaves))), inp.param_spec)
-    if not isinstance(positions, dict):
+    if not isinstance(positions, dict) or not all(isinstance(i, int) for i in positions.values()):
         return []
     keys: list[Any] = [None] * len(positions)
     for k, i in positions.items():

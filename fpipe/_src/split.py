@@ -17,7 +17,9 @@ the skip connections and the saved activations: explicit names that the runtime 
   on parameters and constants (a weight's transpose, `arange`) is copied into every program that
   reads it, so no stage waits for another to compute it (recomputing a view costs nothing).
   One that reads the data (the embedding lookup, a slice of the targets) runs once, in the
-  earliest program that reads it -- for the targets, on the last stage. What feeds boundary k
+  earliest program that reads it -- for the targets, on the last stage; so does one computed from
+  an input the step writes (a buffer's counter), which a later copy would read after the write.
+  What feeds boundary k
   runs before it, on stage k. A node that mutates its inputs is never copied. A boundary is the
   identity on a parameter-and-constant value (a causal mask passed from block to block): each
   program that reads it on the far side computes it too (`_recomputable`).
@@ -157,7 +159,11 @@ class _Placer:
             mg = _marker_getitem(node)
             if mg is not None:
                 self.src[node] = mg[1]
-        self.data_dep = self._closure(set(phs[joint.n_params : joint.n_params + joint.n_data]))
+        # Values computed from the data, or from an input the step writes (a buffer counter):
+        # computed once, in their earliest reader, and sent -- a copy in a later program would
+        # read the input after the write (NOTE [how nodes are placed]).
+        written = {n.args[0] for n in self.nodes if is_mutating(n) and n.args and n.args[0] in phs}
+        self.data_dep = self._closure({*phs[joint.n_params : joint.n_params + joint.n_data], *written})
         backward = self._closure({ct})
         fstage = forward_stages(self.graph, backward, self.live)
         self.n_stages = max(fstage.values(), default=0) + 1

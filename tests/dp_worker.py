@@ -224,6 +224,18 @@ def not_the_whole_world() -> str:
     return error_of(mesh, params_for("1f1b"), *data())
 
 
+def no_replicas() -> str:
+    """DTensor parameters on a mesh whose "dp" dimension has size 1: refused, saying why."""
+    mesh = init_device_mesh("cpu", (1, 4), mesh_dim_names=("dp", "pp"))
+    params = {k: distribute_tensor(v, mesh["dp"], [Shard(0)]) for k, v in params_for("1f1b").items()}
+    piped = fpipe.pipeline(stage_fn(mlp, 4, False), mesh=mesh, microbatches=M)
+    try:
+        fpipe.value_and_grad(piped)(params, *data())
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
 def indivisible(mesh: Any) -> str:
     """Each replica's slice of 8 rows in 3 microbatches: refused, naming dp x microbatches."""
     return error_of(mesh, params_for("1f1b"), *halves(mesh), microbatches=3)
@@ -331,6 +343,7 @@ def main() -> None:
     rec["unknown_dimension"] = unknown_dimension()
     rec["not_the_whole_world"] = not_the_whole_world()
     rec["indivisible"] = indivisible(mesh)
+    rec["no_replicas"] = no_replicas()
     rec["gather_log"] = gather_log(mesh)
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(rec, f)

@@ -150,3 +150,10 @@ def test_sharded_parameters_are_whole_only_while_their_stage_reads_them(ranks):
             whole = [k for e, n, k in events if n == name and e == "whole"]
             dropped = [k for e, n, k in events if n == name and e == "dropped"]
             assert whole == [reads[0]] * 2 and dropped == [reads[-1]] * 2, (name, reads, log)
+
+
+def test_dtensor_parameters_without_replicas_are_refused_saying_why(ranks):
+    """A (dp=1, pp=4) mesh: the message used to ask for the placement the user had given."""
+    for rec in ranks:
+        msg = rec["no_replicas"]
+        assert "is a DTensor, but this pipeline has no data-parallel replicas" in msg, msg

@@ -120,6 +120,14 @@ def test_torch_func_transforms_around_a_pipeline_are_refused_in_a_process_group(
     _check_transforms_refused(ranks)
 
 
+def test_backward_through_a_pipelined_call_in_a_group_fails_clearly(ranks):
+    for rec in ranks:
+        err = rec["backward"]
+        assert err["error_type"] == "RuntimeError", (rec["rank"], err)
+        assert "backward() through the output of a pipelined call in a process group" in err["error"]
+        assert "Use fpipe.value_and_grad(piped)" in err["error"], err
+
+
 def test_torch_func_transforms_are_refused_on_a_dp_mesh(mesh_ranks):
     _check_transforms_refused(mesh_ranks)
 

@@ -146,6 +146,18 @@ def _under_transforms(piped: fpipe.Pipelined) -> dict[str, Any]:
     return out
 
 
+def _backward_of_a_call(piped: fpipe.Pipelined) -> dict[str, Any]:
+    """`piped(params, x, y).backward()` in a process group: an error on every rank (it used to
+    leave rank 1's gradients None, and rank 0's without stage 1's part, with no error)."""
+    params, x, y = _inputs(9)
+    params = {k: v.requires_grad_(True) for k, v in params.items()}
+    try:
+        piped(params, x, y).backward()
+        return {"error_type": None, "grads": {k: v.grad is not None for k, v in params.items()}}
+    except Exception as err:
+        return {"error_type": type(err).__name__, "error": str(err)}
+
+
 def _compile_fails(out: str) -> dict[str, Any]:
     """Rank 1 fails while compiling, catches it and stays alive (until rank 0 is done, at most
     40 s): rank 0, waiting for it in the comparison of the staged programs, must stop at once
@@ -212,6 +224,7 @@ def main() -> None:
     record["measured"] = _error_of(measured, _measured)
     record["constant"] = _error_of(fpipe.pipeline(_constant, microbatches=MB, timeout=60), _constant)
     record["transforms"] = _case(lambda: _under_transforms(a))
+    record["backward"] = _case(lambda: _backward_of_a_call(a))
     record["after"] = _case(lambda: {"a": _max_errors(a, _mlp, 300), "b": _max_errors(b, _other, 301)})
     record["compile_fails"] = _compile_fails(args.out)
     with open(os.path.join(args.out, f"rank{record['rank']}.json"), "w") as f:

@@ -92,8 +92,10 @@ class Pipelined:
 
     def _forward(self, params: Any, args: Args, kwargs: Kwargs) -> Any:
         inp, mbs, c = self._get(params, args, kwargs, None, False)
-        results = self._run(inp, mbs, c, None)
-        return tree.unflatten(self._values(c, results), c.out_spec)
+        vals = self._values(c, self._run(inp, mbs, c, None))
+        if self._groups.each():
+            vals = outputs.refuse_backward(vals, inp)
+        return tree.unflatten(vals, c.out_spec)
 
     def _value_and_grad(
         self, params: Any, args: Args, kwargs: Kwargs, argnums: Argnums, has_aux: bool

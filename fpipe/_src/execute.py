@@ -53,7 +53,10 @@ def execute(
     # value_and_grad computes its gradients explicitly (the joint programs): recording autograd
     # history as well, for inputs that require grad, would keep every program's intermediates
     # alive for the whole step. Under a torch.func transform, the transform decides.
-    explicit = ct is not None and torch._C._functorch.peek_interpreter_stack() is None
+    # In a process group autograd history is no use either: a backward cannot cross ranks
+    # (outputs.refuse_backward makes one fail with a clear error).
+    grouped = pg is not None or dp is not None
+    explicit = (ct is not None or grouped) and torch._C._functorch.peek_interpreter_stack() is None
     reducer = _reducer(cfg, dp, inp, c, summed) if ct is not None else None
     gatherer = _gatherer(cfg, dp, inp, c, glob)
     with torch.no_grad() if explicit else contextlib.nullcontext():

@@ -36,6 +36,33 @@ def values(
     return out if dp is None else reduce_values(dp, out, c.reductions[: len(out)], timeout)
 
 
+class _NoBackward(torch.autograd.Function):
+    """An output of a pipelined call in a process group: the identity forward; a backward raises
+    (each rank holds only its stages' graph, so autograd would silently miss the others')."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        raise RuntimeError(
+            "fpipe: backward() through the output of a pipelined call in a process group: each "
+            "rank holds only its own stages, so autograd cannot reach the others' parameters. "
+            "Use fpipe.value_and_grad(piped) (or fpipe.grad), which runs the backward through "
+            "every stage."
+        )
+
+
+def refuse_backward(vals: list[torch.Tensor], inp: Inputs) -> list[torch.Tensor]:
+    """In a process group, with grad mode on and inputs requiring grad: outputs whose backward
+    raises a clear error instead of giving gradients of this rank's stages only."""
+    anchor = next((t for t in [*inp.param_leaves, *inp.data_leaves] if t.requires_grad), None)
+    if anchor is None or not torch.is_grad_enabled():
+        return vals
+    return [_NoBackward.apply(v, anchor) if v.is_floating_point() else v for v in vals]
+
+
 def _values(
     pg: PPGroup | None, c: Compiled, results: list[list[Any]], m: int, timeout: float
 ) -> list[torch.Tensor]:

@@ -42,7 +42,13 @@ def check_sharded(call: str, dp_mesh: Any, params: list[torch.Tensor], keys: lis
         if not isinstance(p, DTensor):
             continue
         name = repr(keys[i]) if i < len(keys) else f"leaf {i}"
-        if dp_mesh is None or p.device_mesh != dp_mesh or tuple(p.placements) != (Shard(0),):
+        if dp_mesh is None:
+            raise ValueError(
+                f"{call}: parameter {name} is a DTensor, but this pipeline has no data-parallel "
+                "replicas (no 'dp' mesh dimension, or one of size 1), so there is nothing to "
+                "shard it over; pass it as a plain tensor (its .full_tensor())."
+            )
+        if p.device_mesh != dp_mesh or tuple(p.placements) != (Shard(0),):
             raise ValueError(
                 f"{call}: parameter {name} is a DTensor on mesh {p.device_mesh} with placements "
                 f"{tuple(p.placements)}; fpipe shards parameters over data-parallel replicas only as "

@@ -490,3 +490,25 @@ def test_a_value_computed_from_a_written_buffer_is_computed_once_before_the_writ
     ref_loss = ref(x)
     ref_loss.backward()
     assert_trees_close((loss, grads["a.bias"], model.count), (ref_loss.detach(), ref.a.bias.grad, ref.count))
+
+
+def test_a_checkpointed_region_warns_that_nothing_is_recomputed():
+    """torch.utils.checkpoint inside the function: exact gradients, and a warning that its
+    activations are kept (fpipe's programs never run saved-tensor hooks). It was accepted in
+    silence, as if it saved memory."""
+    import torch.utils.checkpoint as checkpoint
+
+    def f(w, x):
+        h = checkpoint.checkpoint(lambda a: torch.tanh(a @ w), x, use_reentrant=False)
+        return (fpipe.stage_boundary(h) @ w).pow(2).mean()
+
+    w = torch.randn(3, 3, dtype=DT, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(4, 3, dtype=DT, generator=torch.Generator().manual_seed(1))
+    with pytest.warns(UserWarning, match="runs saved-tensor hooks .* no memory is saved"):
+        loss, grad = fpipe.value_and_grad(fpipe.pipeline(f, microbatches=2))(w, x)
+
+    def same(w, x):  # torch.func refuses saved-tensor hooks: the reference without the checkpoint
+        return (torch.tanh(x @ w) @ w).pow(2).mean()
+
+    ref_grad, ref_loss = torch.func.grad_and_value(same)(w, x)
+    assert_trees_close((loss, grad), (ref_loss, ref_grad))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import traceback
+import warnings
 import weakref
 from typing import Any
 
@@ -41,11 +42,15 @@ class RefuseCapturedReads(TorchDispatchMode):
     def __init__(self, call: str) -> None:
         super().__init__()
         self.call = call
+        self.hooks_seen = False  # saved-tensor hooks active (torch.utils.checkpoint): see below
         # fakes computed from outside, by id (a WeakSet would compare tensors with ==)
         self.derived: dict[int, weakref.ref[torch.Tensor]] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if not self.hooks_seen and torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+            self.hooks_seen = True
+            _warn_hooks(self.call)
         if func in _LITERALS:  # `torch.tensor(3)` in the function: made here, not captured
             return func(*args, **kwargs)
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
@@ -92,3 +97,16 @@ class RefuseCapturedReads(TorchDispatchMode):
 def _known(t: torch.Tensor) -> bool:
     """A fake whose value the tracer knows (a constant: `torch.tensor(3)` in the function)."""
     return isinstance(t, FakeTensor) and t.constant is not None
+
+
+def _warn_hooks(call: str) -> None:
+    """`torch.utils.checkpoint` (non-reentrant) or another saved-tensor hook (CPU offloading) is
+    active inside the traced function. fpipe's programs keep and free their values themselves,
+    so the hooks never run: the gradients are right, but nothing is recomputed or offloaded."""
+    warnings.warn(
+        f"{call}: the function runs saved-tensor hooks (torch.utils.checkpoint, or offloading "
+        "with torch.autograd.graph.saved_tensors_hooks). fpipe traces through them: the "
+        "gradients are exact, but the region's activations are kept for the backward, not "
+        "recomputed or offloaded, so no memory is saved.",
+        stacklevel=2,
+    )

@@ -256,8 +256,8 @@ def gather_log(mesh: Any) -> dict[str, Any]:
         before(self, a)
         events.extend(("whole", n, where["k"]) for n in self.first.get(a, ()))
 
-    def spy_after(self: Any, a: Any) -> None:
-        after(self, a)
+    def spy_after(self: Any, a: Any, *results: Any) -> None:
+        after(self, a, *results)
         events.extend(("dropped", n, where["k"]) for n in self.last.get(a, ()))
 
     def spy_launch(dp: Any, params: list[Any]) -> Any:

@@ -17,7 +17,6 @@ is refused by the tracer itself (NOTE [tracing is specialisation] in trace.py).
 
 from __future__ import annotations
 
-import os
 import traceback
 import warnings
 import weakref
@@ -28,10 +27,10 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .frames import user_line
+
 __all__ = ["RefuseCapturedReads"]
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_FPIPE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _READ = torch.ops.aten._local_scalar_dense.default
 _LITERALS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
 
@@ -74,16 +73,7 @@ class RefuseCapturedReads(TorchDispatchMode):
         return ref is not None and ref() is t
 
     def _refuse(self) -> None:
-        frames = [
-            f
-            for f in traceback.extract_stack()
-            if not f.filename.startswith((_TORCH_DIR, _FPIPE_DIR)) and "/torch/" not in f.filename
-        ]
-        where = (
-            f"{frames[-1].filename}:{frames[-1].lineno} (`{(frames[-1].line or '').strip()}`)"
-            if frames
-            else "an unknown line"
-        )
+        where = user_line(traceback.extract_stack())
         raise ValueError(
             f"{self.call}: the function reads the value of a tensor it did not receive as an "
             f"argument (a module attribute, buffer or global) as a Python number at {where}. The "

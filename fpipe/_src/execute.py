@@ -23,7 +23,7 @@ from .inputs import Inputs, device_of
 from .outputs import local_inputs
 from .replicas import GradReducer
 from .rng import set_step
-from .run import Results, action_place
+from .run import Results
 from .schedule_data import Action
 from .sharding import Gatherer, local_leaves
 
@@ -64,7 +64,7 @@ def execute(
             glob,
             data,
             summed,
-            after=_each(reducer and reducer.after, gatherer and (lambda a, _: gatherer.after(a))),
+            after=_each(reducer and reducer.after, gatherer and gatherer.after),
             before=gatherer.before if gatherer else None,
         )
         if reducer is not None:
@@ -96,10 +96,8 @@ def _gatherer(
     }
     if dp is None or not sharded:
         return None
-    readers = {n: st.consumers.get(n, []) for n in sharded}
-    gatherer = Gatherer(dp, sharded, readers, c.runner.local_actions, glob, cfg.timeout, action_place)  # type: ignore[arg-type]
-    gatherer.keep_whole(set(st.out_names))
-    return gatherer
+    actions = c.runner.local_actions
+    return Gatherer(dp, sharded, st.consumers, actions, glob, cfg.timeout, keep=set(st.out_names))  # type: ignore[arg-type]
 
 
 def _each(*hooks: Any) -> Callable[[Action, Results], None] | None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,6 +31,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from .dist import PPGroup
+from .run import action_place
 from .schedule_data import Action
 
 
@@ -154,39 +154,39 @@ class Gatherer:
         actions: list[Action],
         glob: dict[str, torch.Tensor],
         timeout: float,
-        place_of: Callable[[Action], Any],
+        keep: frozenset[str] | set[str] = frozenset(),
     ) -> None:
+        """`consumers`: the places that read each parameter; `keep`: parameters never dropped
+        back to their shards (the step returns them)."""
         self.dp, self.params, self.glob, self.timeout = dp, params, glob, timeout
         self.first: dict[Action, list[str]] = {}
         self.last: dict[Action, list[str]] = {}
         for name in params:
             places = set(consumers.get(name, ()))
-            readers = [a for a in actions if place_of(a) in places]
+            readers = [a for a in actions if action_place(a) in places]
             if readers:
                 self.first.setdefault(readers[0], []).append(name)
-                self.last.setdefault(readers[-1], []).append(name)
-        self.order = [a for a in actions if a in self.first]
+                if name not in keep:
+                    self.last.setdefault(readers[-1], []).append(name)
+        order = [a for a in actions if a in self.first]
+        self.next = dict(zip(order, order[1:]))  # the first reader of the next stage's parameters
         self.pending: dict[Action, list[_Gather]] = {}
-
-    def keep_whole(self, names: set[str]) -> None:
-        """Never drop `names` back to their shards (the step returns them)."""
-        self.last = {a: [n for n in ns if n not in names] for a, ns in self.last.items()}
 
     def before(self, a: Action) -> None:
         """Make whole what `a` is the first to read, and start the next stage's gather."""
         if a not in self.first:
             return
         self._launch(a)
-        k = self.order.index(a)
-        if k + 1 < len(self.order):
-            self._launch(self.order[k + 1])
+        if a in self.next:
+            self._launch(self.next[a])
         for g in self.pending.pop(a):
             what = f"gathering {len(g.names)} sharded parameter(s) over {self.dp.size} replicas"
             self.dp.wait_all([g.work], self.timeout, functools.partial(str, what), poll=True)
             self.glob.update(zip(g.names, unpack_gather(g.out, [self.params[n] for n in g.names])))
 
-    def after(self, a: Action) -> None:
-        """Drop the whole tensors `a` was the last to read (back to their shards)."""
+    def after(self, a: Action, _results: Any = None) -> None:
+        """Drop the whole tensors `a` was the last to read (back to their shards); the
+        runner's after-action hook."""
         for name in self.last.get(a, ()):
             self.glob[name] = self.params[name].to_local()
 

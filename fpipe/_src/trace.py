@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
-import linecache
-import os
 import sys
 import traceback
 from collections.abc import Callable, Iterable, Sequence
@@ -46,12 +44,10 @@ from torch.utils._python_dispatch import _disable_current_modes
 from . import tree
 from .captured import RefuseCapturedReads
 from .cuts import Cutter
+from .frames import user_line
 from .marker import BOUNDARY, BOUNDARY_BWD, boundary_apply, boundary_bwd_apply
 
 __all__ = ["Forward", "Joint", "trace_forward", "trace_joint", "fake_like"]
-
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_FPIPE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @dataclasses.dataclass
@@ -86,18 +82,8 @@ def fake_like(mode: FakeTensorMode, t: torch.Tensor, device: torch.device | None
         return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=dev, requires_grad=False)
 
 
-def _user_frame(tb: Any) -> traceback.FrameSummary | None:
-    frames = [f for f in traceback.extract_tb(tb) if not f.filename.startswith((_TORCH_DIR, _FPIPE_DIR))]
-    frames = [f for f in frames if "/torch/" not in f.filename and "/functorch/" not in f.filename]
-    return frames[-1] if frames else None
-
-
 def _raise_data_dependent(call: str, err: BaseException) -> None:
-    frame = _user_frame(err.__traceback__)
-    where = "an unknown line"
-    if frame is not None:
-        code = (frame.line or linecache.getline(frame.filename, frame.lineno or 0)).strip()
-        where = f"{frame.filename}:{frame.lineno} (`{code}`)"
+    where = user_line(traceback.extract_tb(err.__traceback__))
     raise ValueError(
         f"{call}: the function depends on the value of a tensor at {where}. fpipe traces the "
         "function once per input signature (shapes, dtypes, structure), like jax.jit, so Python "

@@ -16,6 +16,7 @@ import torch
 
 from . import execute as execute_
 from . import inputs as inputs_
+from . import memory as memory_
 from . import outputs, tree
 from .compiler import Compiled, Compiler
 from .config import Config
@@ -23,6 +24,7 @@ from .dist import DEFAULT_TIMEOUT, PeerFailure, PPGroup
 from .replicas import Groups, mesh_groups
 from .run import Results, Timeline
 from .schedule import Schedule
+from .tp import localize
 
 __all__ = ["pipeline", "Pipelined"]
 
@@ -57,7 +59,7 @@ class Pipelined:
 
     @functools.cached_property
     def _compiler(self) -> Compiler:
-        return Compiler(self.cfg, self.pg, self.dp, self._groups.dp_mesh)
+        return Compiler(self.cfg, self.pg, self.dp, self._groups.dp_mesh, self._groups.tp)
 
     @property
     def _cache(self) -> dict[Any, Compiled]:  # the compiled plans, by input signature
@@ -77,8 +79,9 @@ class Pipelined:
     ) -> tuple[inputs_.Inputs, list[list[torch.Tensor]], Compiled]:
         """The call's inputs, split into microbatches, and the plan for their signature."""
         self._groups.begin_call()
-        inputs_.refuse_transforms_in_a_group(self.cfg.call, self._groups.pp or self._groups.dp)
-        inp = inputs_.flatten(self.cfg, params, args, kwargs)
+        g = self._groups
+        inputs_.refuse_transforms_in_a_group(self.cfg.call, g.pp or g.dp or g.tp)
+        inp = localize(self.cfg.call, inputs_.flatten(self.cfg, params, args, kwargs), g.tp_mesh)
         mbs = inputs_.split(self.cfg, inp, self._groups.replicas)
         return inp, mbs, self._compiler.get(inp, mbs[0], grad_of, has_aux)
 
@@ -129,6 +132,19 @@ class Pipelined:
             raise
         finally:
             self._busy.release()
+
+    def memory(self, params: Any, *args: Any, **kwargs: Any) -> int:
+        """This rank's predicted peak working memory in bytes for `fpipe.value_and_grad(self)(params,
+        *args, **kwargs)`, from the traced programs and the schedule, before running anything."""
+        return self.memory_report(params, *args, **kwargs).peak
+
+    def memory_report(self, params: Any, *args: Any, **kwargs: Any) -> memory_.MemoryReport:
+        """`memory` with a per-stage breakdown (`.table()`): NOTE [predicting memory] in memory.py."""
+        return self._guarded(self._memory, params, args, kwargs)
+
+    def _memory(self, params: Any, args: Args, kwargs: Kwargs) -> memory_.MemoryReport:
+        inp, _, c = self._get(params, args, kwargs, (0,), False)
+        return memory_.predict_plan(c, inp, self.cfg.microbatches)
 
     # -- what this rank holds -------------------------------------------------------------------
     @property

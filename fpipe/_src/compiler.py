@@ -41,6 +41,8 @@ from .schedule import Schedule, build, stages_per_rank
 from .sharding import check_sharded
 from .simulate import validate
 from .split import Staged, count_stages, split, split_backward
+from .tp import plain_outputs, trace_joint_tp, wrapping
+from .tp_collectives import rewrite
 from .trace import Forward, Joint, fake_like, make_fakes, trace_forward, trace_joint
 
 
@@ -67,9 +69,14 @@ class Compiler:
     """Compiles a pipeline's function per input signature and keeps the plans (`cache`)."""
 
     def __init__(
-        self, cfg: Config, pg: PPGroup | None, dp: PPGroup | None = None, dp_mesh: Any = None
+        self,
+        cfg: Config,
+        pg: PPGroup | None,
+        dp: PPGroup | None = None,
+        dp_mesh: Any = None,
+        tp: PPGroup | None = None,
     ) -> None:
-        self.cfg, self.pg, self.dp, self.dp_mesh = cfg, pg, dp, dp_mesh
+        self.cfg, self.pg, self.dp, self.dp_mesh, self.tp = cfg, pg, dp, dp_mesh, tp
         self.cache: dict[Key, Compiled] = {}
         self._measured: dict[Key, list[float]] = {}  # see _measured_costs
 
@@ -82,6 +89,10 @@ class Compiler:
         if self.pg is not None:
             shapes = [tuple(t.shape) for t in inp.data_leaves]
             check_same_signature(self.cfg.call, self.pg, key, shapes, self.cfg.timeout)
+        if self.tp is not None and inp.tp:  # the tp ranks' shards may differ in shape (uneven)
+            tp_key = (key[0][:1] + key[0][2:], grad_of, has_aux)
+            shapes = [tuple(t.shape) for t in inp.data_leaves]
+            check_same_signature(self.cfg.call, self.tp, tp_key, shapes, self.cfg.timeout)
         if self.dp is not None:
             names = inputs_.leaf_names(self.cfg.f, inp.data_spec, inp.is_tensor)
             check_same_slices(self.cfg.call, self.dp, key, inp, names, self.cfg.timeout)
@@ -103,9 +114,10 @@ class Compiler:
         cfg, device = self.cfg, inputs_.device_of(self.pg, inp)
         mode, fakes = make_fakes([*inp.param_leaves, *mb0], device)
         wanting = _wanting_grad(fakes, inp, grad_of)
-        fwd = trace_forward(
-            cfg.call, cfg.f, inputs_.rebuilder(inp), wanting, len(inp.param_leaves), device, cfg.cuts
-        )
+        f, rebuild = self._function(inp)
+        fwd = trace_forward(cfg.call, f, rebuild, wanting, len(inp.param_leaves), device, cfg.cuts)
+        if inp.tp:
+            fwd.gm = rewrite(cfg.call, fwd.gm, self._tp_name())
         stage_costs = self._cut(fwd, [*inp.param_leaves, *mb0], device)
         reductions = self._reductions(fwd, inp)
         diff: list[int] = []
@@ -116,7 +128,11 @@ class Compiler:
             const_fakes = [fake_like(mode, c, device) for c in fwd.consts]
             with mode:  # the 1/M factor in the loss's precision (at least fp32): exact enough
                 ct = torch.empty((), dtype=_cotangent_dtype(fwd), device=device)
-            joint = trace_joint(cfg.call, fwd, [*fakes, *const_fakes, ct], diff, has_aux)
+            if inp.tp:
+                joint = trace_joint_tp(cfg.call, f, rebuild, fwd, [*fakes, ct], diff, cfg.cuts)
+                joint.gm = rewrite(cfg.call, joint.gm, self._tp_name())
+            else:
+                joint = trace_joint(cfg.call, fwd, [*fakes, *const_fakes, ct], diff, has_aux)
         staged, sched = self._stage(joint)
         runner: Any = (
             LocalRunner(staged, sched) if self.pg is None else DistRunner(staged, sched, self.pg, cfg.timeout)
@@ -125,6 +141,16 @@ class Compiler:
         return Compiled(
             staged, runner, fwd.consts, fwd.out_spec, reductions, diff, stage_costs, keys, fwd.sources
         )
+
+    def _function(self, inp: Inputs) -> tuple[Any, Any]:
+        """The function to trace and the rebuilder of its arguments (NOTE [tensor-parallel
+        tracing] in tp.py for DTensor parameters)."""
+        if not inp.tp:
+            return self.cfg.f, inputs_.rebuilder(inp)
+        return plain_outputs(self.cfg.f), wrapping(inputs_.rebuilder(inp), inp.tp)
+
+    def _tp_name(self) -> str | None:
+        return self.tp.group.group_name if self.tp is not None else None
 
     def _stage(self, joint: Joint) -> tuple[Staged, Schedule]:
         """Split the joint graph, schedule its stages, split backwards where the schedule asks."""
@@ -244,11 +270,12 @@ class Compiler:
         mode, fakes = make_fakes(inp.param_leaves, device)
         with mode:
             fakes += [torch.empty(s, dtype=t.dtype, device=device) for s, t in zip(shapes, inp.data_leaves)]
+        f, rebuild = self._function(inp)
         try:
             return trace_forward(
                 self.cfg.call,
-                self.cfg.f,
-                inputs_.rebuilder(inp),
+                f,
+                rebuild,
                 fakes,
                 len(inp.param_leaves),
                 None,

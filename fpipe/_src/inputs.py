@@ -34,6 +34,9 @@ class Inputs:
     statics: list[Any]  # non-tensor leaves of (args, kwargs), in order
     is_tensor: list[bool]
     data_spec: Any
+    # tensor parallelism: the layout of each parameter that came as a DTensor on mesh["tp"] (its
+    # leaf above is then the local shard), else None (NOTE [tensor-parallel tracing] in tp.py)
+    tp: list[Any] | None = None
 
     def key(self, device_type: str) -> tuple[Any, ...]:
         """Everything a trace depends on (NOTE [trace key]); `device_type`: where meta tensors
@@ -46,6 +49,7 @@ class Inputs:
             tuple(self.axes),
             tuple(Static(s) for s in self.statics),
             ambient_key(),
+            tuple(s and s.key() for s in self.tp) if self.tp else None,
         )
 
     def axis_of(self, pos: int) -> int | None:

@@ -20,6 +20,7 @@ import warnings
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from . import tree
 
@@ -91,8 +92,22 @@ class _BoundaryBwd(torch.autograd.Function):
 
 
 def boundary_apply(xs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Apply the differentiable marker to a flat list of tensors."""
-    return list(_Boundary.apply(*xs))
+    """Apply the differentiable marker to a flat list of tensors; a DTensor crosses as its local
+    shard (NOTE [tensor-parallel tracing] in tp.py)."""
+    if not any(isinstance(x, DTensor) for x in xs):
+        return list(_Boundary.apply(*xs))
+    marked = _Boundary.apply(*(x.to_local() if isinstance(x, DTensor) else x for x in xs))
+    return [_like(x, m) for x, m in zip(xs, marked)]
+
+
+def _like(x: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` as a DTensor laid out like `x` (`local` itself if `x` is a plain tensor). A
+    Partial value stays partial; its gradient comes back replicated (DTensor's rule)."""
+    if not isinstance(x, DTensor):
+        return local
+    return DTensor.from_local(
+        local, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride()
+    )
 
 
 def boundary_bwd_apply(gs: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -122,6 +122,9 @@ def grads(
     """The gradient pytree of each argument in `nums` (0: the params)."""
     m = len(results.per_mb)
     flat = {pos: _grad_of(pg, inp, c, results, j, pos, m, timeout) for j, pos in enumerate(c.diff)}
+    for pos, spec in enumerate(inp.tp or ()):  # tensor-parallel: as a DTensor like its parameter
+        if spec is not None and flat.get(pos) is not None:
+            flat[pos] = spec.wrap(flat[pos])
     return [
         _rebuild_grad_tree(inp, num, [flat[p] for p in inputs_.positions_of_argnum(inp, num)]) for num in nums
     ]

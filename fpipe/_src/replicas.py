@@ -31,22 +31,26 @@ from .dist import PPGroup, group_of, pp_group
 from .run import Results, action_place
 from .schedule_data import Action
 from .sharding import launch_reduce_scatter, unpack_scatter
+from .tp_collectives import activate
 
 BUCKET_BYTES = 25 * 2**20
 OVERLAP = True  # False: launch every bucket after the last action (the benchmark's baseline)
-MESH_DIMS = ("dp", "pp")
+MESH_DIMS = ("dp", "pp", "tp")
 
 
 @dataclasses.dataclass
 class Groups:
-    """The pipeline's process groups: "pp" (stages) and "dp" (replicas); None where absent."""
+    """The pipeline's process groups: "pp" (stages), "dp" (replicas) and "tp" (tensor
+    parallelism inside stages); None where absent."""
 
     pp: PPGroup | None
     dp: PPGroup | None
     dp_mesh: Any = None  # the mesh's "dp" sub-mesh, where sharded parameters live
+    tp: PPGroup | None = None
+    tp_mesh: Any = None  # the mesh's "tp" sub-mesh, where tensor-parallel parameters live
 
     def each(self) -> list[PPGroup]:
-        return [g for g in (self.pp, self.dp) if g is not None]
+        return [g for g in (self.pp, self.dp, self.tp) if g is not None]
 
     @property
     def replicas(self) -> int:
@@ -72,11 +76,16 @@ def mesh_groups(mesh: Any, timeout: float) -> Groups:
         raise ValueError(
             f"pipeline(mesh=...): the mesh has dimensions {names}; fpipe needs one named 'pp' and "
             f"knows {list(MESH_DIMS)} (unknown: {unknown}). Build it with, e.g., "
-            "init_device_mesh(device, (dp, pp), mesh_dim_names=('dp', 'pp'))."
+            "init_device_mesh(device, (dp, pp, tp), mesh_dim_names=('dp', 'pp', 'tp'))."
         )
     _check_covers_the_world(mesh, names)
     dp = group_of(mesh.get_group("dp")) if "dp" in names else None
-    return Groups(pp_group(mesh, timeout), dp, mesh["dp"] if dp is not None else None)
+    tp = group_of(mesh.get_group("tp")) if "tp" in names else None
+    if tp is not None:
+        activate(tp, timeout)
+    return Groups(
+        pp_group(mesh, timeout), dp, mesh["dp"] if dp else None, tp, mesh["tp"] if tp else None
+    )
 
 
 def _check_covers_the_world(mesh: Any, names: tuple[str, ...]) -> None:

@@ -127,7 +127,7 @@ def note_module(module: torch.nn.Module) -> None:
                 state.snapshots.append((t, t.detach().clone()))
 
 
-def _trace(
+def run_trace(
     call: str, fn: Callable[..., Any], fakes: Sequence[torch.Tensor], cutter: Cutter | None = None
 ) -> tuple[fx.GraphModule, _TraceState]:
     state = _TraceState(cutter=cutter)
@@ -161,7 +161,7 @@ def _trace(
 # boundary markers are plain custom ops: functionalize cannot run an autograd.Function itself.
 
 
-def _functional(gm: fx.GraphModule, fakes: Sequence[torch.Tensor]) -> fx.GraphModule:
+def functional(gm: fx.GraphModule, fakes: Sequence[torch.Tensor]) -> fx.GraphModule:
     """`gm` re-traced without in-place operations (NOTE [functional graphs]); a graph with none
     is returned as it is (the re-trace would change nothing, and costs a trace's time)."""
     if not any(is_mutating(n) for n in gm.graph.nodes):
@@ -213,7 +213,7 @@ def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(same) and not b._is_view()  # a view of `a` itself must still be copied first
 
 
-def _lift_constants(gm: fx.GraphModule) -> list[torch.Tensor]:
+def lift_constants(gm: fx.GraphModule) -> list[torch.Tensor]:
     """Turn captured tensors (`get_attr` nodes) into trailing placeholders; return the tensors."""
     consts: list[torch.Tensor] = []
     graph = gm.graph
@@ -280,19 +280,14 @@ def _custom_functions(roots: Iterable[Any]) -> list[type]:
     return found
 
 
-def trace_forward(
+def flat_function(
     call: str,
     f: Callable[..., Any],
     rebuild: Callable[[list[torch.Tensor]], tuple[Any, tuple[Any, ...], dict[str, Any]]],
-    fakes: Sequence[torch.Tensor],
-    n_params: int,
-    device: torch.device | None = None,
-    cuts: Any = None,
-) -> Forward:
-    """Trace `f(*rebuild(leaves))` into a flat, functional forward graph (see `_functional`);
-    `device`: where meta constants are traced (the data's device); `cuts`: module paths where
-    stages begin (NOTE [cuts by module path] in cuts.py)."""
-    out_spec: list[Any] = []
+    out_spec: list[Any],
+) -> Callable[..., list[torch.Tensor]]:
+    """`f` over flat leaves, returning its flat output tensors (their structure appended to
+    `out_spec`); refuses non-tensor outputs and custom autograd.Functions."""
 
     def flat_f(*leaves: torch.Tensor) -> list[torch.Tensor]:
         params, args, kwargs = rebuild(list(leaves))
@@ -309,14 +304,30 @@ def trace_forward(
         out_spec.append(spec)
         return out_leaves
 
+    return flat_f
+
+
+def trace_forward(
+    call: str,
+    f: Callable[..., Any],
+    rebuild: Callable[[list[torch.Tensor]], tuple[Any, tuple[Any, ...], dict[str, Any]]],
+    fakes: Sequence[torch.Tensor],
+    n_params: int,
+    device: torch.device | None = None,
+    cuts: Any = None,
+) -> Forward:
+    """Trace `f(*rebuild(leaves))` into a flat, functional forward graph (see `_functional`);
+    `device`: where meta constants are traced (the data's device); `cuts`: module paths where
+    stages begin (NOTE [cuts by module path] in cuts.py)."""
+    out_spec: list[Any] = []
     cutter = Cutter(call, cuts) if cuts is not None else None
-    gm, state = _trace(call, flat_f, fakes, cutter)
+    gm, state = run_trace(call, flat_function(call, f, rebuild, out_spec), fakes, cutter)
     if cutter is not None:
         cutter.check(gm.graph.find_nodes(op="call_function", target=BOUNDARY))
-    consts = _lift_constants(gm)
+    consts = lift_constants(gm)
     sources = [state.sources.get(id(c)) for c in consts]
     mode = detect_fake_mode(fakes) or FakeTensorMode(allow_non_fake_inputs=True)
-    gm = _functional(gm, [*fakes, *(fake_like(mode, c, device) for c in consts)])
+    gm = functional(gm, [*fakes, *(fake_like(mode, c, device) for c in consts)])
     return Forward(gm, n_params, len(fakes) - n_params, consts, out_spec[0], sources)
 
 
@@ -359,7 +370,7 @@ def trace_joint(
         grads, (_, outs) = torch.func.grad_and_value(inner, has_aux=True)(primals, rest)
         return [*outs, *grads]
 
-    gm = _functional(_trace(call, joint, fakes)[0], fakes)
+    gm = functional(run_trace(call, joint, fakes)[0], fakes)
     n_outs = len(fwd.gm.graph.find_nodes(op="output")[0].args[0])
     return Joint(gm, fwd.n_params, fwd.n_data, len(fwd.consts), n_outs, list(diff))
 

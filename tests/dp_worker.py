@@ -289,7 +289,7 @@ def gather_log(mesh: Any) -> dict[str, Any]:
 
 def unknown_dimension() -> str:
     """A mesh dimension fpipe does not know: a ValueError at the first call, before a transfer."""
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
     return error_of(mesh, params_for("1f1b"), *data())
 
 

@@ -119,7 +119,7 @@ def test_each_rank_does_about_a_quarter_of_the_matrix_multiply_work(ranks):
 def test_a_mesh_dimension_fpipe_does_not_know_is_refused(ranks):
     for rec in ranks:
         msg = rec["unknown_dimension"]
-        assert "the mesh has dimensions ('dp', 'tp')" in msg and "unknown: ['tp']" in msg, msg
+        assert "the mesh has dimensions ('dp', 'ep')" in msg and "unknown: ['ep']" in msg, msg
 
 
 def test_a_mesh_that_does_not_hold_every_rank_is_refused(ranks):

@@ -177,7 +177,7 @@ def first_difference(pg: PPGroup, parts: dict[str, int]) -> str:
 
 
 def check_same_signature(
-    call: str, pg: PPGroup, key: Any, shapes: list[tuple[int, ...]], timeout: float
+    call: str, pg: PPGroup, key: Any, shapes: list[tuple[int, ...]], timeout: float, role: str = "pipeline"
 ) -> None:
     """Every rank must run the same program: compare the input signatures (one all-gather of
     a hash per call) so different shapes on two ranks fail loudly instead of corrupting."""
@@ -185,8 +185,8 @@ def check_same_signature(
     differ = odd_ranks([v[0] for v in every])
     if differ is not None:
         raise ValueError(
-            f"{call}: ranks {differ[0]} were called with inputs whose shapes, dtypes "
-            f"or structure differ from ranks {differ[1]}; every pipeline "
+            f"{call}: {role} ranks {differ[0]} were called with inputs whose shapes, dtypes "
+            f"or structure differ from {role} ranks {differ[1]}; every {role} "
             "rank must pass inputs of the same signature (a rank that does not use an input may "
             f"pass a meta tensor of the same shape). This rank's data shapes: {shapes}."
         )

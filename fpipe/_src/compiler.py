@@ -92,7 +92,7 @@ class Compiler:
         if self.tp is not None and inp.tp:  # the tp ranks' shards may differ in shape (uneven)
             tp_key = (key[0][:1] + key[0][2:], grad_of, has_aux)
             shapes = [tuple(t.shape) for t in inp.data_leaves]
-            check_same_signature(self.cfg.call, self.tp, tp_key, shapes, self.cfg.timeout)
+            check_same_signature(self.cfg.call, self.tp, tp_key, shapes, self.cfg.timeout, "tensor-parallel")
         if self.dp is not None:
             names = inputs_.leaf_names(self.cfg.f, inp.data_spec, inp.is_tensor)
             check_same_slices(self.cfg.call, self.dp, key, inp, names, self.cfg.timeout)

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from .compiler import Compiled
 from .dist import PPGroup
@@ -83,7 +85,7 @@ def materialize_module(
         old = getattr(holders[0][0], holders[0][1])
         if not old.is_meta:
             continue
-        new = torch.empty_like(old, device=device)
+        new = _empty_like(old, device)
         new = nn.Parameter(new, requires_grad=old.requires_grad) if holders[0][2] else new
         for sub, attr, _ in holders:
             setattr(sub, attr, new)
@@ -104,7 +106,7 @@ def _initialise(
         with torch.no_grad():
             for name, t in full.items():
                 if any(t is r for r in replaced.values()) and name in state_dict:
-                    t.copy_(state_dict[name])
+                    _local(t).copy_(_piece(state_dict[name], t))
         return
     names = {id(sub): name for name, sub in module.named_modules()}
     subs = {id(sub): sub for key in replaced for sub, _, _ in owners[key]}
@@ -138,6 +140,31 @@ def _init_one(sub: nn.Module, init: Callable[[nn.Module], None] | None, has_para
             "uninitialised. Pass init=..., state_dict=..., or give it reset_parameters().",
             stacklevel=4,
         )
+
+
+def _empty_like(old: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An uninitialised `old` on `device`; a DTensor (tensor parallel) allocates its shard only."""
+    if not isinstance(old, DTensor):
+        return torch.empty_like(old, device=device)
+    local = torch.empty_like(old.to_local(), device=device)
+    return DTensor.from_local(
+        local, old.device_mesh, old.placements, run_check=False, shape=old.shape, stride=old.stride()
+    )
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _piece(full: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The part of a whole tensor (a state dict's) that `t` holds: all of it, or a DTensor's shard
+    (sliced here, no collective)."""
+    if isinstance(full, DTensor):
+        full = full.full_tensor()
+    if not isinstance(t, DTensor):
+        return full
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
 
 
 def remap(values: list[Any], replaced: dict[int, torch.Tensor]) -> list[Any]:

@@ -1,0 +1,92 @@
+"""Tensor parallelism inside stages (NOTE [tensor-parallel tracing] in fpipe/_src/tp.py): a GPT
+parallelized with `parallelize_module` on mesh["tp"], pipelined on 4 gloo ranks (pp=2 x tp=2) and
+on 8 (dp=2 x pp=2 x tp=2). One launch of `tests/tp_worker.py` per world size runs every case;
+each compares with `torch.func.grad_and_value` of the unsplit, unparallelized model over the
+global batch, in fp64."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import tp_worker
+from dist_launch import read_json, report, run_torchrun, torchrun_cmd
+
+TOL = 1e-9
+DEADLINE_S = 420.0
+
+
+def _launch(tmp_path_factory: Any, n: int) -> list[dict[str, Any]]:
+    out = tmp_path_factory.mktemp(f"tp{n}")
+    procs = run_torchrun([torchrun_cmd("tp_worker.py", n, "--out", str(out))], out, DEADLINE_S)
+    missing = [r for r in range(n) if not (out / f"rank{r}.json").exists()]
+    assert not missing and all(p.rc == 0 for p in procs), f"ranks {missing} wrote no record\n" + report(procs)
+    return [read_json(out / f"rank{r}.json") for r in range(n)]
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory) -> dict[int, list[dict[str, Any]]]:
+    return {4: _launch(tmp_path_factory, 4), 8: _launch(tmp_path_factory, 8)}
+
+
+RUNS = [(4, c) for c in tp_worker.CASES] + [(8, c) for c in tp_worker.ON_8_RANKS]
+
+
+@pytest.mark.parametrize(("world", "case"), RUNS)
+def test_loss_and_dtensor_gradients_equal_the_unsplit_model(launches, world, case):
+    """The global loss on every rank; each rank's gradients, DTensors with their parameters'
+    placements, made whole equal the unsplit model's (tp with heads and MLP columns split; sp
+    adds sequence-parallel norms and a residual stream crossing stages sharded on the sequence)."""
+    for rec in launches[world]:
+        res = rec[case]
+        assert "error" not in res, (rec["rank"], res)
+        assert res["loss_err"] < TOL, (rec["rank"], res)
+        assert res["keys"] and max(res["grad_err"].values()) < TOL, (rec["rank"], res)
+        assert res["placements_equal"] and res["dtensor_grads"] > 0, (rec["rank"], res)
+
+
+@pytest.mark.parametrize(("world", "case"), RUNS)
+def test_each_pipeline_covers_every_parameter_once_per_tp_rank(launches, world, case):
+    """Within each (dp, tp) column, the pipeline ranks' gradients cover every parameter."""
+    expected = sorted(n for n, _ in tp_worker.reference().named_parameters())
+    columns = {(rec.get("dp", 0), rec["tp"]) for rec in launches[world]}
+    for col in columns:
+        keys = [k for rec in launches[world] if (rec.get("dp", 0), rec["tp"]) == col for k in rec[case]["keys"]]
+        assert sorted(keys) == expected, (col, keys)
+
+
+@pytest.mark.parametrize(("world", "case"), [(w, c) for w, c in RUNS if c in tp_worker.ADAMW])
+def test_two_adamw_steps_equal_single_process_training(launches, world, case):
+    for rec in launches[world]:
+        assert rec[case]["adamw_err"] < 1e-10, (rec["rank"], rec[case])
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_each_rank_does_about_one_over_pp_times_tp_of_its_slices_matrix_multiply_work(launches, world):
+    """Against the unsplit step over the rank's dp slice: stage 0 holds the embedding (no matrix
+    product), stage 1 the head, so the shares are a little under and over 1/4."""
+    shares = [rec["matmul_share"] for rec in launches[world]]
+    assert all(0.2 < s < 0.3 for s in shares), shares
+    assert abs(sum(shares) / len(shares) - 0.25) < 0.01, shares
+
+
+def test_a_model_built_on_meta_allocates_only_this_ranks_shards_of_its_stages(launches):
+    for rec in launches[4]:
+        res = rec["on_meta"]
+        assert "error" not in res, res
+        assert res["real_keys"] == res["grad_keys"], res  # only what this rank's stages read
+        assert 0.25 < res["allocated_fraction"] < 0.3, res  # ~1/(pp x tp), plus replicated norms
+        assert res["loss_err"] < TOL and res["grad_err"] < TOL, res
+
+
+def test_tp_ranks_passing_batches_of_different_shapes_fail_before_the_step(launches):
+    for rec in launches[4]:
+        msg = rec["mismatch"]
+        assert "tensor-parallel ranks [0] were called with inputs whose shapes" in msg, msg
+        assert "differ from tensor-parallel ranks [1]" in msg, msg
+
+
+def test_a_sharded_tensor_parameter_is_refused_pointing_to_dtensor(launches):
+    for rec in launches[4]:
+        msg = rec["sharded_tensor"]
+        assert "parameter 'w' is a ShardedTensor" in msg and "parallelize_module" in msg, msg

@@ -1,0 +1,305 @@
+"""Tensor x pipeline (x data) parallel worker for `tests/test_tp.py`: under torchrun, 4 ranks form a
+("pp", "tp") mesh of 2 x 2 and 8 ranks a ("dp", "pp", "tp") mesh of 2 x 2 x 2. A small GPT is
+parallelized with `parallelize_module` on mesh["tp"] (heads and MLP columns split: Megatron's
+layout; "sp" cases add SequenceParallel norms, so the residual stream crosses stages as DTensors
+sharded on the sequence). Every case compares the loss and this rank's DTensor gradients (made
+whole) with `torch.func.grad_and_value` of the unsplit, unparallelized model over the global batch
+(fp64). Writes `rank{R}.json` into `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from dp_worker import MatmulFlops
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+import fpipe
+
+VOCAB, D, HEADS, SEQ, LAYERS, BATCH, M = 16, 8, 4, 4, 2, 8, 2
+TWO = ["blocks.1"]  # where stages begin: two stages, or four (zbv: two per rank)
+FOUR = ["blocks.0.mlp", "blocks.1", "blocks.1.mlp"]
+CASES = {  # name: (plan, schedule, cuts)
+    "tp-1f1b": ("tp", "1f1b", TWO),
+    "tp-zbv": ("tp", "zbv", FOUR),
+    "sp-1f1b": ("sp", "1f1b", TWO),
+    "sp-zb-h1": ("sp", "zb-h1", TWO),
+}
+ON_8_RANKS = ("tp-1f1b", "sp-zb-h1")  # the 8-rank launch runs these (the suite's time)
+ADAMW = ("tp-1f1b", "sp-1f1b")
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape  # the heads are split over tp: -1 is this rank's share of them
+        q, k, v = (m(x).view(b, t, -1, D // HEADS).transpose(1, 2) for m in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.proj = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1, self.attn, self.ln2, self.mlp = nn.LayerNorm(D), Attention(), nn.LayerNorm(D), MLP()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, D)
+        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.norm, self.head = nn.LayerNorm(D), nn.Linear(D, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.norm(x))
+
+
+def parallelize(model: GPT, tp_mesh: Any, plan: str) -> GPT:
+    """Megatron's layout on `tp_mesh`; "sp" also shards the norms and the residual stream on the
+    sequence dimension (a DTensor stream: `use_local_output=False`)."""
+    sp = plan == "sp"
+    seq = Shard(1)
+    block_plan: dict[str, Any] = {
+        "attn.q": ColwiseParallel(),
+        "attn.k": ColwiseParallel(),
+        "attn.v": ColwiseParallel(),
+        "attn.o": RowwiseParallel(output_layouts=seq, use_local_output=False) if sp else RowwiseParallel(),
+        "mlp.fc": ColwiseParallel(),
+        "mlp.proj": RowwiseParallel(output_layouts=seq, use_local_output=False) if sp else RowwiseParallel(),
+    }
+    if sp:
+        gather = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
+        block_plan.update({"ln1": SequenceParallel(), "ln2": SequenceParallel(), "attn": gather, "mlp": gather})
+    for b in model.blocks:
+        parallelize_module(b, tp_mesh, block_plan)
+    top: dict[str, Any] = {"head": ColwiseParallel(output_layouts=Replicate())}
+    if sp:
+        top = {
+            "emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq, use_local_output=False),
+            "norm": SequenceParallel(),
+            "head": ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
+        }
+    return parallelize_module(model, tp_mesh, top)
+
+
+def built(plan: str, mesh: Any, device: str = "cpu") -> GPT:
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = GPT().double()
+    return parallelize(model, mesh["tp"], plan)
+
+
+def reference() -> GPT:
+    torch.manual_seed(0)
+    return GPT().double()
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+
+
+def my_slice(mesh: Any, t: torch.Tensor) -> torch.Tensor:
+    names = mesh.mesh_dim_names
+    return t.chunk(mesh.size(names.index("dp")))[mesh.get_local_rank("dp")] if "dp" in names else t
+
+
+def loss_of(fn: Any) -> Any:
+    def loss(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(fn(params, x).flatten(0, 1), y.flatten())
+
+    return loss
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def run_case(name: str, mesh: Any) -> dict[str, Any]:
+    plan, schedule, cuts = CASES[name]
+    model = built(plan, mesh)
+    fn, params = fpipe.functionalize(model)
+    rfn, rparams = fpipe.functionalize(reference())
+    x, y = data()
+    ref_g, ref_v = torch.func.grad_and_value(loss_of(rfn))(rparams, x, y)
+    piped = fpipe.pipeline(loss_of(fn), mesh=mesh, microbatches=M, schedule=schedule, cuts=cuts)
+    v, g = fpipe.value_and_grad(piped)(params, my_slice(mesh, x), my_slice(mesh, y))
+    rec: dict[str, Any] = {
+        "loss_err": abs(float(v) - float(ref_v)),
+        "keys": sorted(g),
+        "grad_err": {k: float((whole(t) - ref_g[k]).abs().max()) for k, t in g.items()},
+        "placements_equal": all(
+            isinstance(t, DTensor) == isinstance(params[k], DTensor)
+            and (not isinstance(t, DTensor) or t.placements == params[k].placements)
+            for k, t in g.items()
+        ),
+        "dtensor_grads": sum(isinstance(t, DTensor) for t in g.values()),
+        "stages": piped.local_stages,
+    }
+    if name in ADAMW and (name in ON_8_RANKS or "dp" not in mesh.mesh_dim_names):
+        rec["adamw_err"] = adamw_steps(plan, mesh)
+    return rec
+
+
+def adamw_steps(plan: str, mesh: Any) -> float:
+    """Two AdamW steps through the pipeline (DTensor parameters, DTensor gradients) against two
+    of the unsplit model in one process: the largest difference of a parameter this rank holds."""
+    x, y = data()
+    ref = reference()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    for _ in range(2):
+        ref_opt.zero_grad()
+        F.cross_entropy(ref(x).flatten(0, 1), y.flatten()).backward()
+        ref_opt.step()
+    model = built(plan, mesh)
+    fn, params = fpipe.functionalize(model)
+    piped = fpipe.pipeline(loss_of(fn), mesh=mesh, microbatches=M, cuts=TWO)
+    opt = None
+    grads: dict[str, torch.Tensor] = {}
+    held = dict(model.named_parameters())
+    for _ in range(2):
+        _, grads = fpipe.value_and_grad(piped)(params, my_slice(mesh, x), my_slice(mesh, y))
+        mine = {k: held[k] for k in grads}
+        if opt is None:
+            opt = torch.optim.AdamW(list(mine.values()), lr=1e-2, foreach=False)
+        fpipe.set_grads(mine, grads)
+        opt.step()
+    want = dict(ref.named_parameters())
+    return max(float((whole(held[k].detach()) - want[k].detach()).abs().max()) for k in grads)
+
+
+def matmul_share(mesh: Any) -> float:
+    """This rank's matrix-multiply FLOPs in a step over those of the unsplit step over its dp
+    slice (one process, autograd): about 1 / (pp x tp)."""
+    fn, params = fpipe.functionalize(built("tp", mesh))
+    x, y = (my_slice(mesh, t) for t in data())
+    vg = fpipe.value_and_grad(fpipe.pipeline(loss_of(fn), mesh=mesh, microbatches=M, cuts=TWO))
+    vg(params, x, y)  # compiles
+    with MatmulFlops() as mine:
+        vg(params, x, y)
+    ref = reference()
+    with MatmulFlops() as whole_step:
+        F.cross_entropy(ref(x).flatten(0, 1), y.flatten()).backward()
+    return mine.flops / whole_step.flops
+
+
+def tp_rank_data_mismatch(mesh: Any) -> str:
+    """tp ranks passing batches of different shapes: a ValueError on every rank, before any step."""
+    fn, params = fpipe.functionalize(built("tp", mesh))
+    x, y = (my_slice(mesh, t) for t in data())
+    n = x.shape[0] if mesh.get_local_rank("tp") == 0 else x.shape[0] // 2
+    piped = fpipe.pipeline(loss_of(fn), mesh=mesh, microbatches=M, cuts=TWO)
+    try:
+        fpipe.value_and_grad(piped)(params, x[:n], y[:n])
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def sharded_tensor(mesh: Any) -> str:
+    """A ShardedTensor parameter: a TypeError saying to use DTensor."""
+    from torch.distributed._shard import sharded_tensor
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+
+    tp = mesh["tp"]
+    ranks = [f"rank:{r}/cpu" for r in dist.get_process_group_ranks(tp.get_group())]
+    st = sharded_tensor.empty(ChunkShardingSpec(dim=0, placements=ranks), 4, 4, process_group=tp.get_group())
+    piped = fpipe.pipeline(lambda p, x: (x @ p["w"]).sum(), mesh=mesh)
+    try:
+        fpipe.value_and_grad(piped)({"w": st}, torch.ones(2, 4))
+    except TypeError as err:
+        return str(err)
+    return "no error"
+
+
+def on_meta(mesh: Any) -> dict[str, Any]:
+    """The GPT built on the meta device, parallelized, then materialized from the unsplit model's
+    state dict: this rank allocates only the shards its stages read; the step equals the
+    reference."""
+    model = built("tp", mesh, device="meta")
+    fn, params = fpipe.functionalize(model)
+    x, y = (my_slice(mesh, t) for t in data())
+    piped = fpipe.pipeline(loss_of(fn), mesh=mesh, microbatches=M, cuts=TWO)
+    ref = reference()
+    params = piped.materialize(model, x, y, state_dict=ref.state_dict())
+    real = {k: v for k, v in params.items() if not (v.to_local() if isinstance(v, DTensor) else v).is_meta}
+    local = sum((v.to_local() if isinstance(v, DTensor) else v).numel() for v in real.values())
+    v, g = fpipe.value_and_grad(piped)(params, x, y)
+    rfn, rparams = fpipe.functionalize(ref)
+    ref_g, ref_v = torch.func.grad_and_value(loss_of(rfn))(rparams, *data())
+    return {
+        "allocated_fraction": local / sum(p.numel() for p in ref.parameters()),
+        "real_keys": sorted(real),
+        "grad_keys": sorted(g),
+        "loss_err": abs(float(v) - float(ref_v)),
+        "grad_err": max(float((whole(t) - ref_g[k]).abs().max()) for k, t in g.items()),
+    }
+
+
+def record(name: str, fn: Any, *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except Exception as err:  # recorded; the test names the case
+        return {"error": f"{type(err).__name__}: {err}", "case": name}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    world = int(os.environ["WORLD_SIZE"])
+    dims = ("dp", "pp", "tp") if world == 8 else ("pp", "tp")
+    mesh = init_device_mesh("cpu", (2,) * len(dims), mesh_dim_names=dims)
+    rank = dist.get_rank()
+    rec: dict[str, Any] = {"rank": rank, **{d: mesh.get_local_rank(d) for d in dims}}
+    only = os.environ.get("TP_WORKER_CASES")  # for running a few cases by hand
+    for name in only.split(",") if only else (CASES if world == 4 else ON_8_RANKS):
+        rec[name] = record(name, run_case, name, mesh)
+    rec["matmul_share"] = record("matmul_share", matmul_share, mesh)
+    if world == 4:
+        rec["on_meta"] = record("on_meta", on_meta, mesh)
+        rec["mismatch"] = record("mismatch", tp_rank_data_mismatch, mesh)
+        rec["sharded_tensor"] = record("sharded_tensor", sharded_tensor, mesh)
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+        json.dump(rec, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

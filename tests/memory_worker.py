@@ -1,0 +1,86 @@
+"""Predicted against measured step memory, in a fresh process: `python tests/memory_worker.py NAME...`.
+
+Prints one JSON object: per case NAME, `predicted` (`piped.memory`, before anything ran) and
+`measured`, the resident-set growth of one `value_and_grad` step after a warm-up step (peak
+`VmHWM` minus `VmRSS` before, the peak mark reset through /proc/self/clear_refs). Run it with
+`MALLOC_MMAP_THRESHOLD_=131072` so freed tensors leave the resident set (../shared/DESIGN.md,
+"Measuring memory on CPU"); the tensors of these cases are mostly larger than that.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from models import GPT, MLP, lm_loss  # noqa: E402
+
+import fpipe  # noqa: E402
+
+Case = tuple[Callable[..., Any], Any, tuple[torch.Tensor, ...]]
+
+
+def mlp() -> Case:
+    fn, params = fpipe.functionalize(MLP(d_in=256, hidden=512, d_out=256, n_layers=8))
+
+    def loss(p: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return (fn(p, x) - y).pow(2).mean()
+
+    return loss, params, (torch.randn(2048, 256), torch.randn(2048, 256))
+
+
+def gpt() -> Case:
+    fn, params = fpipe.functionalize(GPT(vocab=256, d=128, n_head=4, n_layer=4, seq=64))
+
+    def loss(p: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return lm_loss(fn(p, x), y)
+
+    return loss, params, (torch.randint(0, 256, (64, 64)), torch.randint(0, 256, (64, 64)))
+
+
+MODELS = {"mlp": mlp, "gpt": gpt}
+
+
+def _status(field: str) -> int:
+    """A /proc/self/status field in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def rss_growth(step: Callable[[], Any]) -> int:
+    """Peak resident-set growth while `step()` runs."""
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    Path("/proc/self/clear_refs").write_text("5")
+    before = _status("VmRSS")
+    out = step()
+    peak = _status("VmHWM")
+    del out
+    return peak - before
+
+
+def measure(name: str) -> dict[str, int]:
+    """Case `name` is `model-schedule-stages-microbatches`, e.g. `mlp-zb-h1-4-8`."""
+    head, stages, mbs = name.rsplit("-", 2)
+    model, schedule = head.split("-", 1)
+    torch.manual_seed(0)
+    f, params, args = MODELS[model]()
+    piped = fpipe.pipeline(f, stages=int(stages), microbatches=int(mbs), schedule=schedule)
+    predicted = piped.memory(params, *args)
+    step = fpipe.value_and_grad(piped)
+    step(params, *args)
+    return {"predicted": predicted, "measured": rss_growth(lambda: step(params, *args))}
+
+
+if __name__ == "__main__":
+    print(json.dumps({name: measure(name) for name in sys.argv[1:]}))

@@ -1,0 +1,123 @@
+"""`piped.memory`: the predicted peak of a step, against what a step really holds.
+
+Two measurements, neither computed from the prediction's formula: the resident-set growth of a
+real step in a fresh process (tests/memory_worker.py, with a fixed mmap threshold so freed tensors
+leave the resident set), and, after every action, the bytes of the tensors the runner really holds
+(`LocalRunner.record_memory`, counting each storage once).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from models import GPT, MLP, lm_loss
+
+import fpipe
+from fpipe._src import run as run_
+
+WORKER = Path(__file__).resolve().parent / "memory_worker.py"
+CASES = [
+    "mlp-gpipe-4-8", "mlp-1f1b-4-8", "mlp-zb-h1-4-8",
+    "gpt-gpipe-4-8", "gpt-1f1b-4-8", "gpt-zbv-4-8",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def measured() -> dict[str, dict[str, int]]:
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", OMP_NUM_THREADS="2")
+    out = subprocess.run(
+        [sys.executable, str(WORKER), *CASES], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_prediction_within_15_percent_of_resident_set_growth(measured, case):
+    m = measured[case]
+    assert m["measured"] > 10 * 2**20  # big enough that the allocator's small pieces do not matter
+    assert abs(m["predicted"] - m["measured"]) <= 0.15 * m["measured"], m
+
+
+def test_1f1b_less_than_gpipe_and_zero_bubble_w_inputs_counted(measured):
+    for model in ("mlp", "gpt"):
+        gpipe, one_f_one_b = measured[f"{model}-gpipe-4-8"], measured[f"{model}-1f1b-4-8"]
+        for kind in ("predicted", "measured"):
+            assert one_f_one_b[kind] < 0.7 * gpipe[kind]
+    # ZB-H1 keeps each W half's inputs until it runs, later than 1F1B frees them: more memory
+    zb, one_f_one_b = measured["mlp-zb-h1-4-8"], measured["mlp-1f1b-4-8"]
+    for kind in ("predicted", "measured"):
+        assert zb[kind] > 1.2 * one_f_one_b[kind]
+
+
+def _tensors(env: dict[str, Any]) -> dict[Any, torch.Tensor]:
+    """A runner's values, the elements of tuple values too (a tuple holds its tensors' memory)."""
+    out: dict[Any, torch.Tensor] = {}
+    for k, v in env.items():
+        for i, t in enumerate(v if isinstance(v, (tuple, list)) else [v]):
+            if isinstance(t, torch.Tensor):
+                out[k, i] = t
+    return out
+
+
+def gpt_case(stages: int) -> tuple[Any, dict[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(0)
+    fn, params = fpipe.functionalize(GPT(vocab=32, d=16, n_head=2, n_layer=3, seq=8, stages=stages))
+    tokens = torch.randint(0, 32, (16, 8))
+    return (lambda p, x, y: lm_loss(fn(p, x), y)), params, (tokens, tokens.roll(1, 1))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "zbv", "interleaved-1f1b"])
+def test_held_values_match_the_runner_after_every_action(monkeypatch, schedule):
+    stages = 4 if schedule in ("zbv", "interleaved-1f1b") else 2
+    loss, params, args = gpt_case(stages)
+    pp = {"zbv": 2, "interleaved-1f1b": 2}.get(schedule, stages)
+    sched = fpipe.schedules.build(schedule, pp=pp, microbatches=4, stages=stages)
+    piped = fpipe.pipeline(loss, microbatches=4, schedule=sched)
+    report = piped.memory_report(params, *args)
+    assert piped.timeline is None  # predicted without running a step
+    live = run_.live_bytes
+    monkeypatch.setattr(run_, "live_bytes", lambda envs, skip=(): live(map(_tensors, envs), skip))
+    step = fpipe.value_and_grad(piped)
+    step(params, *args)
+    runner = piped._last.runner
+    runner.record_memory = True
+    step(params, *args)
+    assert [(a, held) for a, _, held in report.actions] == runner.memory
+    assert max(running for _, running, _ in report.actions) == report.peak == piped.memory(params, *args)
+
+
+def test_report_table_and_meta_inputs():
+    loss, params, args = gpt_case(2)
+    piped = fpipe.pipeline(loss, microbatches=4, schedule="1f1b")
+    report = piped.memory_report(params, *args)
+    assert int(report) == report.peak
+    assert [s.stage for s in report.stages] == [0, 1]
+    grads = sum(p.numel() * p.element_size() for p in params.values())
+    assert sum(s.grads for s in report.stages) == grads  # every gradient sum, once
+    assert report.peak >= grads + max(s.transient for s in report.stages)
+    lines = report.table().splitlines()
+    assert lines[0].split()[:2] == ["stage", "rank"] and len(lines) == 4
+    assert lines[-1].startswith("total") and f"peak during {report.at}" in lines[-1]
+    # a model built on the meta device: the same prediction, nothing allocated
+    meta = {k: v.to("meta") for k, v in params.items()}
+    piped_meta = fpipe.pipeline(loss, microbatches=4, schedule="1f1b")
+    assert piped_meta.memory(meta, *(a.to("meta") for a in args)) == report.peak
+
+
+def test_one_microbatch_gradients_kept_as_computed():
+    """With one microbatch the runner keeps each program's gradient outputs as they are (no
+    running sums): a view's base counts whole."""
+    torch.manual_seed(0)
+    fn, params = fpipe.functionalize(MLP(d_in=6, hidden=32, d_out=3, n_layers=4, stages=2))
+    piped = fpipe.pipeline(lambda p, x: fn(p, x).pow(2).mean(), microbatches=1)
+    report = piped.memory_report(params, torch.randn(8, 6))
+    grads = sum(p.numel() * p.element_size() for p in params.values())
+    assert sum(s.grads for s in report.stages) == grads

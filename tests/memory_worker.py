@@ -1,10 +1,14 @@
-"""Predicted against measured step memory, in a fresh process: `python tests/memory_worker.py NAME...`.
+"""Predicted against measured step memory, in fresh processes.
 
-Prints one JSON object: per case NAME, `predicted` (`piped.memory`, before anything ran) and
-`measured`, the resident-set growth of one `value_and_grad` step after a warm-up step (peak
-`VmHWM` minus `VmRSS` before, the peak mark reset through /proc/self/clear_refs). Run it with
-`MALLOC_MMAP_THRESHOLD_=131072` so freed tensors leave the resident set (../shared/DESIGN.md,
-"Measuring memory on CPU"); the tensors of these cases are mostly larger than that.
+    python tests/memory_worker.py NAME...                              # all stages in one process
+    torchrun --standalone --nproc-per-node 2 tests/memory_worker.py NAME...   # one rank each
+
+Prints (rank 0, under torchrun) one line `RESULT {json}`: per case NAME, per rank, `predicted`
+(`piped.memory`, before anything ran) and `measured`, the resident-set growth of one
+`value_and_grad` step after a warm-up step (peak `VmHWM` minus `VmRSS` before, the peak mark
+reset through /proc/self/clear_refs). Run it with `MALLOC_MMAP_THRESHOLD_=131072` so freed
+tensors leave the resident set (../shared/DESIGN.md, "Measuring memory on CPU"); the tensors of
+these cases are mostly larger than that.
 """
 
 from __future__ import annotations
@@ -12,12 +16,14 @@ from __future__ import annotations
 import ctypes
 import gc
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -82,5 +88,24 @@ def measure(name: str) -> dict[str, int]:
     return {"predicted": predicted, "measured": rss_growth(lambda: step(params, *args))}
 
 
+def main() -> None:
+    group = "RANK" in os.environ
+    if group:
+        dist.init_process_group("gloo")
+    out: dict[str, list[Any]] = {}
+    for name in sys.argv[1:]:
+        mine = measure(name)
+        out[name] = [None] * (dist.get_world_size() if group else 1)
+        if group:
+            dist.all_gather_object(out[name], mine)
+        else:
+            out[name] = [mine]
+    if not group or dist.get_rank() == 0:
+        print("RESULT " + json.dumps(out), flush=True)
+    if group:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 if __name__ == "__main__":
-    print(json.dumps({name: measure(name) for name in sys.argv[1:]}))
+    main()

@@ -1,9 +1,10 @@
 """`piped.memory`: the predicted peak of a step, against what a step really holds.
 
 Two measurements, neither computed from the prediction's formula: the resident-set growth of a
-real step in a fresh process (tests/memory_worker.py, with a fixed mmap threshold so freed tensors
-leave the resident set), and, after every action, the bytes of the tensors the runner really holds
-(`LocalRunner.record_memory`, counting each storage once).
+real step in fresh processes (tests/memory_worker.py, with a fixed mmap threshold so freed tensors
+leave the resident set): all stages in one process, and each rank of a 2-rank torchrun launch
+(one launch for the module); and, after every action, the bytes of the tensors the runner really
+holds (`LocalRunner.record_memory`, counting each storage once).
 """
 
 from __future__ import annotations
@@ -17,33 +18,59 @@ from typing import Any
 
 import pytest
 import torch
+from dist_launch import report, run_torchrun, torchrun_cmd
 from models import GPT, MLP, lm_loss
 
 import fpipe
 from fpipe._src import run as run_
 
 WORKER = Path(__file__).resolve().parent / "memory_worker.py"
-CASES = [
-    "mlp-gpipe-4-8", "mlp-1f1b-4-8", "mlp-zb-h1-4-8",
-    "gpt-gpipe-4-8", "gpt-1f1b-4-8", "gpt-zbv-4-8",
-]  # fmt: skip
+CASES = ["mlp-gpipe-4-8", "mlp-1f1b-4-8", "mlp-zb-h1-4-8", "gpt-gpipe-4-8", "gpt-1f1b-4-8"]
+GROUP_CASES = ["gpt-1f1b-2-8", "gpt-zbv-4-8"]  # 2 ranks; zbv: 2 stages per rank
+MMAP = {"MALLOC_MMAP_THRESHOLD_": "131072"}  # freed tensors leave the resident set
+
+
+def _result(log: str) -> dict[str, list[dict[str, int]]]:
+    return json.loads(next(ln for ln in log.splitlines() if ln.startswith("RESULT "))[7:])
 
 
 @pytest.fixture(scope="module")
 def measured() -> dict[str, dict[str, int]]:
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", OMP_NUM_THREADS="2")
+    env = dict(os.environ, OMP_NUM_THREADS="2", **MMAP)
     out = subprocess.run(
         [sys.executable, str(WORKER), *CASES], env=env, capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout.splitlines()[-1])
+    return {case: ranks[0] for case, ranks in _result(out.stdout).items()}
+
+
+@pytest.fixture(scope="module")
+def measured_ranks(tmp_path_factory) -> dict[str, list[dict[str, int]]]:
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in MMAP.items():
+            mp.setenv(k, v)
+        procs = run_torchrun(
+            [torchrun_cmd("memory_worker.py", 2, *GROUP_CASES)], tmp_path_factory.mktemp("m"), 300
+        )
+    assert all(p.rc == 0 for p in procs), report(procs)
+    return _result(procs[0].text())
+
+
+def _within(m: dict[str, int], tol: float = 0.15) -> None:
+    assert m["measured"] > 10 * 2**20  # big enough that the allocator's small pieces do not matter
+    assert abs(m["predicted"] - m["measured"]) <= tol * m["measured"], m
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_prediction_within_15_percent_of_resident_set_growth(measured, case):
-    m = measured[case]
-    assert m["measured"] > 10 * 2**20  # big enough that the allocator's small pieces do not matter
-    assert abs(m["predicted"] - m["measured"]) <= 0.15 * m["measured"], m
+    _within(measured[case])
+
+
+@pytest.mark.parametrize("case", GROUP_CASES)
+def test_each_ranks_prediction_within_15_percent_under_torchrun(measured_ranks, case):
+    assert len(measured_ranks[case]) == 2
+    for m in measured_ranks[case]:
+        _within(m)
 
 
 def test_1f1b_less_than_gpipe_and_zero_bubble_w_inputs_counted(measured):

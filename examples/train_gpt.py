@@ -10,11 +10,15 @@ The same script runs in one process (all stages local) and under torchrun (one s
     python examples/train_gpt.py                                     # 2 stages in this process
     torchrun --standalone --nproc-per-node 4 examples/train_gpt.py   # 4 ranks, 1 stage each
     torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --dp 2  # 2 replicas x 2 stages
+    torchrun --standalone --nproc-per-node 4 examples/train_gpt.py --tp 2  # 2 stages x 2-way TP
 
 With `--dp N` the ranks form a ("dp", "pp") DeviceMesh of N replicas of a WORLD_SIZE / N-stage
 pipeline: every rank draws the same global batch of `--batch` sequences and passes its replica's
 slice, and fpipe returns the global loss and its gradients (summed over the replicas), so the loss
-curve is the one of the pipeline alone on the same batches.
+curve is the one of the pipeline alone on the same batches. With `--tp N` each stage is split over
+N ranks the ecosystem's way: the blocks are `parallelize_module`d on the mesh's "tp" dimension
+(attention heads and MLP columns: Megatron's layout), and fpipe traces each stage into a program
+over this rank's shards with the collectives in it.
 
 The model knows nothing about pipelines; the training loop is ordinary: fpipe only turns the loss
 function into a pipelined one whose `value_and_grad` returns this rank's gradients.
@@ -29,11 +33,12 @@ import sys
 import sysconfig
 import time
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 import fpipe
@@ -54,10 +59,12 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
-        qkv = self.attn(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each (b, heads, t, d_head)
+        # attn's outputs are laid out head by head (q, k, v of head 0, then head 1, ...), so a
+        # column split over tensor-parallel ranks gives each rank whole heads: -1 is its share
+        qkv = self.attn(self.ln1(x)).view(b, t, -1, 3, d // self.heads)
+        q, k, v = qkv.permute(3, 0, 2, 1, 4)  # each (b, heads, t, d_head)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, -1))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 
@@ -73,6 +80,21 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return F.linear(self.ln(x), self.tok.weight)  # LM head tied to the token embedding
+
+
+def parallelize(model: GPT, tp_mesh: Any) -> None:
+    """Megatron's tensor parallelism in every block: attention heads and the MLP's hidden columns
+    split over `tp_mesh` (column-parallel in, row-parallel out); embeddings and norms replicated."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {
+        "attn": ColwiseParallel(),
+        "proj": RowwiseParallel(),
+        "fc": ColwiseParallel(),
+        "out": RowwiseParallel(),
+    }
+    for block in model.blocks:
+        parallelize_module(block, tp_mesh, plan)
 
 
 # -- data ------------------------------------------------------------------------------------------
@@ -134,7 +156,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads per process on CPU")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--corpus-mib", type=float, default=2.0)
-    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas: WORLD_SIZE = dp x pp")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas: WORLD_SIZE = dp x pp x tp")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage (they split the heads)")
     p.add_argument("--loss-log", metavar="PATH", help="rank 0 writes the per-step losses here as JSON")
     p.add_argument("--save", metavar="DIR", help="checkpoint directory (fpipe.save), written at the end")
     p.add_argument("--save-every", type=int, default=0, metavar="N", help="also save every N steps")
@@ -154,6 +177,14 @@ def parse_args() -> argparse.Namespace:
                 f"--batch {args.batch} is not divisible by --dp {args.dp} x --microbatches "
                 f"{args.microbatches}: each replica takes batch / dp sequences, in microbatches"
             )
+    if args.tp < 1 or args.heads % args.tp:
+        p.error(
+            f"--tp {args.tp}: must be at least 1 and divide --heads {args.heads} (each rank takes whole heads)"
+        )
+    if args.tp > 1:
+        world = os.environ.get("WORLD_SIZE")
+        if "LOCAL_RANK" not in os.environ or world is None or int(world) % (args.dp * args.tp):
+            p.error(f"--tp {args.tp} needs torchrun with WORLD_SIZE = dp x pp x tp processes (got {world})")
     return args
 
 
@@ -170,11 +201,11 @@ def main() -> None:
         torch.set_num_threads(args.threads)  # more, and intra-op threads crawl on busy cores
 
     mesh, dp_rank = None, 0
-    if args.dp > 1:  # replicas x stages; without --dp all ranks form one pipeline (no mesh needed)
+    if args.dp > 1 or args.tp > 1:  # replicas x stages x tp; else all ranks form one pipeline
         from torch.distributed.device_mesh import init_device_mesh
 
-        pp = int(os.environ["WORLD_SIZE"]) // args.dp
-        mesh = init_device_mesh(device.type, (args.dp, pp), mesh_dim_names=("dp", "pp"))
+        pp = int(os.environ["WORLD_SIZE"]) // (args.dp * args.tp)
+        mesh = init_device_mesh(device.type, (args.dp, pp, args.tp), mesh_dim_names=("dp", "pp", "tp"))
         dp_rank = mesh.get_local_rank("dp")
 
     def local(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,6 +217,8 @@ def main() -> None:
 
     with torch.device("meta"):  # no memory: each rank allocates only its own stage below
         model = GPT(256, args.seq, args.d_model, args.layers, args.heads)
+    if args.tp > 1:
+        parallelize(model, mesh["tp"])  # type: ignore[index]
     fn, params = fpipe.functionalize(model)
 
     def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -193,8 +226,12 @@ def main() -> None:
         return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
     stages = args.stages if args.stages or launched else 2
+    cuts = None
+    if args.tp > 1:  # tensor-parallel stages begin at blocks: say which (no automatic cut yet)
+        n = stages or int(os.environ["WORLD_SIZE"]) // (args.dp * args.tp)
+        cuts = [f"blocks.{args.layers * k // n}" for k in range(1, n)]
     piped = fpipe.pipeline(
-        loss_fn, stages=stages, microbatches=args.microbatches, schedule=args.schedule, mesh=mesh
+        loss_fn, stages=stages, microbatches=args.microbatches, schedule=args.schedule, mesh=mesh, cuts=cuts
     )  # with a mesh: the global loss (the mean over replicas) and its gradients, summed over dp
     # Each rank initialises only the modules of its stages (reset_parameters, in module order)
     # from the same seed: deterministic, but not the values a single-process `GPT(...)` would
@@ -202,7 +239,8 @@ def main() -> None:
     torch.manual_seed(args.seed)
     params = piped.materialize(model, x, y, device=device)
     mine = {k: v for k, v in params.items() if not v.is_meta}
-    n_mine, n_all = (sum(v.numel() for v in d.values()) for d in (mine, params))
+    n_mine = sum(v.to_local().numel() if isinstance(v, DTensor) else v.numel() for v in mine.values())
+    n_all = sum(v.numel() for v in params.values())
     print(f"rank {rank}: {n_mine:,} of {n_all:,} parameters live here", file=sys.stderr, flush=True)
     opt = torch.optim.AdamW(mine.values(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
     step = fpipe.value_and_grad(piped)

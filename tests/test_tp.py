@@ -51,7 +51,9 @@ def test_each_pipeline_covers_every_parameter_once_per_tp_rank(launches, world, 
     expected = sorted(n for n, _ in tp_worker.reference().named_parameters())
     columns = {(rec.get("dp", 0), rec["tp"]) for rec in launches[world]}
     for col in columns:
-        keys = [k for rec in launches[world] if (rec.get("dp", 0), rec["tp"]) == col for k in rec[case]["keys"]]
+        keys = [
+            k for rec in launches[world] if (rec.get("dp", 0), rec["tp"]) == col for k in rec[case]["keys"]
+        ]
         assert sorted(keys) == expected, (col, keys)
 
 
@@ -90,3 +92,14 @@ def test_a_sharded_tensor_parameter_is_refused_pointing_to_dtensor(launches):
     for rec in launches[4]:
         msg = rec["sharded_tensor"]
         assert "parameter 'w' is a ShardedTensor" in msg and "parallelize_module" in msg, msg
+
+
+def test_a_tp_rank_failing_mid_step_stops_every_rank_at_once_naming_it(launches):
+    """Global rank 1 fails inside a stage program while its tp peer waits in a collective: the
+    peer, and the next stage's ranks (which learn it through the peer), stop with an error naming
+    global rank 1, in seconds rather than at the 120 s timeout."""
+    for rec in launches[4]:
+        res = rec["failure"]
+        assert "injected failure on global rank 1" in res["error_text"], (rec["rank"], res)
+        assert "rank 0 (global rank 1) failed at action" in res["error_text"], (rec["rank"], res)
+        assert res["seconds"] < 30, (rec["rank"], res)

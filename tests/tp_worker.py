@@ -104,7 +104,9 @@ def parallelize(model: GPT, tp_mesh: Any, plan: str) -> GPT:
     }
     if sp:
         gather = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
-        block_plan.update({"ln1": SequenceParallel(), "ln2": SequenceParallel(), "attn": gather, "mlp": gather})
+        block_plan.update(
+            {"ln1": SequenceParallel(), "ln2": SequenceParallel(), "attn": gather, "mlp": gather}
+        )
     for b in model.blocks:
         parallelize_module(b, tp_mesh, block_plan)
     top: dict[str, Any] = {"head": ColwiseParallel(output_layouts=Replicate())}
@@ -131,7 +133,9 @@ def reference() -> GPT:
 
 def data() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
-    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(
+        0, VOCAB, (BATCH, SEQ), generator=g
+    )
 
 
 def my_slice(mesh: Any, t: torch.Tensor) -> torch.Tensor:
@@ -271,6 +275,40 @@ def on_meta(mesh: Any) -> dict[str, Any]:
     }
 
 
+def tp_rank_fails_mid_step(mesh: Any) -> dict[str, Any]:
+    """Global rank 1 (pp 0, tp 1) fails inside a stage program, after its 5th tensor-parallel
+    collective, while its tp peer waits in the next one: every rank stops with an error naming
+    rank 1, within seconds (the pipeline's timeout is 120 s: a rank left waiting would take that)."""
+    import time
+
+    from fpipe._src import tp_collectives
+
+    fn, params = fpipe.functionalize(built("tp", mesh))
+    x, y = data()
+    piped = fpipe.pipeline(loss_of(fn), mesh=mesh, microbatches=M, cuts=TWO, timeout=120)
+    vg = fpipe.value_and_grad(piped)
+    vg(params, x, y)  # compiled and run once
+    wait, calls = tp_collectives._wait, [0]
+
+    def failing_wait(work: Any, what: str) -> None:
+        calls[0] += 1
+        if calls[0] == 5:
+            raise RuntimeError("injected failure on global rank 1")
+        wait(work, what)
+
+    if dist.get_rank() == 1:
+        tp_collectives._wait = failing_wait
+    start = time.monotonic()
+    try:
+        vg(params, x, y)
+        msg = "no error"
+    except Exception as err:
+        msg = f"{type(err).__name__}: {err}"
+    finally:
+        tp_collectives._wait = wait
+    return {"error_text": msg, "seconds": time.monotonic() - start}
+
+
 def record(name: str, fn: Any, *args: Any) -> Any:
     try:
         return fn(*args)
@@ -295,6 +333,7 @@ def main() -> None:
         rec["on_meta"] = record("on_meta", on_meta, mesh)
         rec["mismatch"] = record("mismatch", tp_rank_data_mismatch, mesh)
         rec["sharded_tensor"] = record("sharded_tensor", sharded_tensor, mesh)
+        rec["failure"] = record("failure", tp_rank_fails_mid_step, mesh)  # last: it leaves work pending
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(rec, f)
     dist.barrier()

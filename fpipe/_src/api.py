@@ -124,7 +124,9 @@ class Pipelined:
             )
         try:
             return fn(params, args, kwargs, *rest)
-        except (PeerFailure, TimeoutError):
+        except (PeerFailure, TimeoutError) as err:
+            if "_groups" in self.__dict__:
+                self._groups.forward_failure(err)
             raise
         except BaseException as err:
             if "_groups" in self.__dict__:  # (a mesh refused at lookup has no groups to tell)

@@ -118,7 +118,7 @@ class Compiler:
         fwd = trace_forward(cfg.call, f, rebuild, wanting, len(inp.param_leaves), device, cfg.cuts)
         if inp.tp:
             fwd.gm = rewrite(cfg.call, fwd.gm, self._tp_name())
-        stage_costs = self._cut(fwd, [*inp.param_leaves, *mb0], device)
+        stage_costs = self._cut(fwd, [*inp.param_leaves, *mb0], device, bool(inp.tp))
         reductions = self._reductions(fwd, inp)
         diff: list[int] = []
         if grad_of is None:
@@ -176,7 +176,9 @@ class Compiler:
             )
         return split_backward(staged, [s for s, k in kinds.items() if k & {"I", "W"}])
 
-    def _cut(self, fwd: Forward, mb0: list[torch.Tensor], device: torch.device) -> list[float] | None:
+    def _cut(
+        self, fwd: Forward, mb0: list[torch.Tensor], device: torch.device, tp: bool = False
+    ) -> list[float] | None:
         """Check the markers' stage count, or choose the cuts (stages=N without markers)."""
         has_markers = bool(fwd.gm.graph.find_nodes(op="call_function", target=BOUNDARY))
         stages = self.cfg.stages
@@ -201,6 +203,13 @@ class Compiler:
                     "stage_boundary calls to let fpipe choose the cuts."
                 )
             return None
+        if tp:  # the joint is traced from the function again, not from the cut forward graph
+            raise ValueError(
+                f"{self.cfg.call}: stages={stages} without stage boundaries, but the parameters are "
+                "tensor-parallel DTensors; fpipe cannot yet choose the cuts of a tensor-parallel "
+                "function. Say where stages begin: cuts={'blocks': k} (every k-th block), a list "
+                "of module paths, or fpipe.stage_boundary calls."
+            )
         measure = None
         if self.cfg.partition == "measure":
             measure = functools.partial(self._measured_costs, fwd, mb0, device)

@@ -65,6 +65,13 @@ class PPGroup:
     namespace: str = ""
     generation: int = 0  # calls of the pipeline (equal on every rank); failure reports are per call
 
+    @property
+    def me(self) -> str:
+        """This rank in messages: "rank R", R its rank in the group, with its global rank where
+        the two differ (with dp or tp, several groups number the same process differently)."""
+        g = self.global_rank(self.rank)
+        return f"rank {self.rank}" if g == self.rank else f"rank {self.rank} (global rank {g})"
+
     def global_rank(self, pp_rank: int) -> int:
         return dist.get_global_rank(self.group, pp_rank) if self.group is not None else pp_rank
 
@@ -90,7 +97,7 @@ class PPGroup:
     def broadcast(self, t: torch.Tensor, src: int, timeout: float, what: str) -> torch.Tensor:
         """`t` from pipeline rank `src` to every rank of the group, in place (`t` contiguous)."""
         work = dist.broadcast(t, self.global_rank(src), group=self.group, async_op=True)
-        self.wait_all([work], timeout, functools.partial(str, what))
+        self.wait_all([work], timeout, functools.partial(str, what), poll=True)
         return t
 
     def all_reduce(self, t: torch.Tensor, timeout: float, what: str) -> torch.Tensor:
@@ -162,7 +169,7 @@ class PPGroup:
     def _raise_for(self, err: BaseException, timeout: float, what: str, peer: int | None) -> None:
         exit_hard_after_failure()  # gloo threads may stay blocked on the vanished peer
         msg = self.failure()
-        if msg is not None and msg.startswith(f"fpipe rank {self.rank}: timed out"):
+        if msg is not None and msg.startswith(f"fpipe {self.me}: timed out"):
             raise TimeoutError(msg) from err  # this rank timed out first, in its send thread
         text_err = str(err).lower()
         if msg is None and ("timeout" in text_err or "timed out" in text_err):
@@ -170,7 +177,7 @@ class PPGroup:
             culprit = f"rank {chain[-1]}" if chain else "that rank"
             via = f" (waited on through ranks {chain[:-1]})" if len(chain) > 1 else ""
             text = (
-                f"fpipe rank {self.rank}: timed out after {timeout:g} s {what}; {culprit}{via} is not "
+                f"fpipe {self.me}: timed out after {timeout:g} s {what}; {culprit}{via} is not "
                 "responding (stopped, stuck, or far slower). Raise pipeline(..., timeout=...) if it "
                 "is only slow."
             )
@@ -182,10 +189,10 @@ class PPGroup:
             msg = self._failure_within(_REPORT_GRACE_S)
         if msg is None:  # the first to see a peer vanish says so, for ranks further away
             self.report_failure(
-                f"rank {self.rank} lost its peer while {what}; that peer crashed or was killed ({err})"
+                f"{self.me} lost its peer while {what}; that peer crashed or was killed ({err})"
             )
         reason = msg or f"the peer closed the connection; did it crash or get killed? ({err})"
-        raise PeerFailure(f"fpipe rank {self.rank}: stopping while {what}: {reason}") from err
+        raise PeerFailure(f"fpipe {self.me}: stopping while {what}: {reason}") from err
 
     def _failure_within(self, seconds: float) -> str | None:
         deadline = time.monotonic() + seconds

@@ -7,9 +7,10 @@ buffers its stages read: by the owning modules' own `reset_parameters`, or from 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -119,7 +120,27 @@ def _initialise(
             # on both, whatever else each rank initialises first.
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(_name_seed(base, names.get(key, "")))
-                _init_one(sub, init, any(is_p for k in replaced for s, _, is_p in owners[k] if s is sub))
+                with _whole_while_initialised(sub):
+                    _init_one(sub, init, any(is_p for k in replaced for s, _, is_p in owners[k] if s is sub))
+
+
+@contextlib.contextmanager
+def _whole_while_initialised(sub: nn.Module) -> Iterator[None]:
+    """A submodule's tensor-parallel (DTensor) parameters made whole plain tensors while it is
+    initialised, then each rank keeps its shard: the values do not depend on the tp degree (they
+    are the ones a model without tensor parallelism draws from the same seed), and no DTensor
+    random operation runs. One submodule's parameters are whole at a time."""
+    dts = {n: p for n, p in sub.named_parameters(recurse=False) if isinstance(p, DTensor)}
+    for n, p in dts.items():
+        whole = torch.empty(p.shape, dtype=p.dtype, device=p.to_local().device)
+        setattr(sub, n, nn.Parameter(whole, requires_grad=p.requires_grad))
+    try:
+        yield
+    finally:
+        for n, p in dts.items():
+            with torch.no_grad():
+                p.to_local().copy_(_piece(getattr(sub, n).detach(), p))
+            setattr(sub, n, p)
 
 
 def _name_seed(base: int, name: str) -> int:

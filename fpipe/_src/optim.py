@@ -49,14 +49,22 @@ def clip_grad_norm_(
     # In a group every rank reduces in float64: a rank whose stages hold no parameters has no
     # dtype of its own to go by, and the all-reduce needs the same dtype everywhere.
     acc = torch.float64 if pg is not None else dtype
+    groups = pipeline._groups if pipeline is not None else None
+    tp_mesh = groups.tp_mesh if groups is not None else None
+    # A DTensor on mesh["tp"] (tensor parallel) is sharded over the tp ranks, or replicated on
+    # them (a norm's weight: counted once, like a plain tensor); any other is sharded over dp.
+    by_tp = [g for g in owned if isinstance(g, DTensor) and g.device_mesh == tp_mesh]
+    tp_shards = [g.to_local() for g in by_tp if any(p.is_shard() for p in g.placements)]
     plain = [g for g in owned if not isinstance(g, DTensor)]
+    plain += [g.to_local() for g in by_tp if not any(p.is_shard() for p in g.placements)]
     local = _partial_norm(plain, norm_type, acc, device)
-    shards = [g.to_local() for g in owned if isinstance(g, DTensor)]
-    if shards:  # sharded over dp (NOTE [gradients over replicas]): add the other shards' parts
-        part = _partial_norm(shards, norm_type, acc, device)
-        op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
-        dist.all_reduce(part, op=op, group=pipeline.dp.group)
-        local = torch.maximum(local, part) if norm_type == math.inf else local + part
+    dp_shards = [g.to_local() for g in owned if isinstance(g, DTensor) and g.device_mesh != tp_mesh]
+    for shards, group in ((dp_shards, groups and groups.dp), (tp_shards, groups and groups.tp)):
+        if shards:  # add the other shards' parts (NOTE [gradients over replicas], tp.py)
+            part = _partial_norm(shards, norm_type, acc, device)
+            op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
+            dist.all_reduce(part, op=op, group=group.group)  # type: ignore[union-attr]
+            local = torch.maximum(local, part) if norm_type == math.inf else local + part
     if pg is not None:  # with whether any rank's gradients are fp64: the norm's dtype on all
         both = torch.stack([local, torch.tensor(float(dtype == torch.float64), dtype=acc)]).to(pg.device)
         dist.all_reduce(

@@ -62,7 +62,14 @@ class Groups:
 
     def report_failure(self, err: BaseException) -> None:
         for g in self.each():
-            g.report_failure(f"rank {g.rank} failed: {type(err).__name__}: {err}")
+            g.report_failure(f"{g.me} failed: {type(err).__name__}: {err}")
+
+    def forward_failure(self, err: BaseException) -> None:
+        """A peer's failure (or a timeout) seen through one group, told to this rank's other
+        groups: with tensor or data parallelism, a rank's neighbours are in several groups,
+        and the ones waiting on this rank learn why at once instead of at their timeout."""
+        for g in self.each():
+            g.report_failure(str(err))
 
 
 def mesh_groups(mesh: Any, timeout: float) -> Groups:
@@ -83,9 +90,7 @@ def mesh_groups(mesh: Any, timeout: float) -> Groups:
     tp = group_of(mesh.get_group("tp")) if "tp" in names else None
     if tp is not None:
         activate(tp, timeout)
-    return Groups(
-        pp_group(mesh, timeout), dp, mesh["dp"] if dp else None, tp, mesh["tp"] if tp else None
-    )
+    return Groups(pp_group(mesh, timeout), dp, mesh["dp"] if dp else None, tp, mesh["tp"] if tp else None)
 
 
 def _check_covers_the_world(mesh: Any, names: tuple[str, ...]) -> None:

@@ -178,7 +178,7 @@ class DistRunner:
                 if st.current
                 else "setup"
             )
-            msg = f"rank {self.rank} failed at {where}: {type(err).__name__}: {err}"
+            msg = f"{self.pg.me} failed at {where}: {type(err).__name__}: {err}"
             self.pg.report_failure(msg)
             exit_hard_after_failure()  # peers' transfers may be in flight
             raise RuntimeError(f"fpipe {msg}") from err

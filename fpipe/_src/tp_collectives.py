@@ -36,7 +36,12 @@ __all__ = ["TP_OPS", "activate", "rewrite", "uses_collectives"]
 _C10D = torch.ops._c10d_functional
 _WAIT = _C10D.wait_tensor.default
 _ACTIVE: dict[str, tuple[PPGroup, float]] = {}  # "tp" -> this process's tp group and timeout
-_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.AVG,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
 
 
 def activate(group: PPGroup, timeout: float) -> None:
@@ -99,9 +104,7 @@ def tp_all_to_all(x: torch.Tensor, out_sizes: list[int], in_sizes: list[int], _r
     g, _ = _group()
     x = x.contiguous()
     out = x.new_empty((sum(out_sizes) if out_sizes else x.shape[0], *x.shape[1:]))
-    work = dist.all_to_all_single(
-        out, x, out_sizes or None, in_sizes or None, group=g.group, async_op=True
-    )
+    work = dist.all_to_all_single(out, x, out_sizes or None, in_sizes or None, group=g.group, async_op=True)
     _wait(work, "all-to-all")
     return out
 

@@ -35,7 +35,7 @@ from .run_dist import EMULATE_NCCL_ORDER
 from .schedule_data import Action
 from .staged import Program, Staged
 
-__all__ = ["MemoryReport", "StageMemory", "predict"]
+__all__ = ["MemoryReport", "StageMemory", "predict", "predict_plan"]
 
 Key = tuple[Any, ...]  # one storage the runner holds
 
@@ -87,8 +87,8 @@ def _mib(n: int) -> str:
 
 
 class _Account:
-    """The storages held, each with its size, stage, and holders (values in the runner's
-    per-microbatch stores, and step results)."""
+    """The storages held, each with its size, stage, microbatch, and holders of two kinds: 0, the
+    runner's per-microbatch values; 1, anything else (step results, the send thread)."""
 
     def __init__(self) -> None:
         self.size: dict[Key, int] = {}
@@ -125,7 +125,7 @@ class _Replay:
         self.st, self.runner, self.summed, self.n_mb = staged, runner, summed, n_mb
         self.acc = _Account()
         self.env: dict[tuple[int, str], list[Key | None]] = {}
-        local = getattr(runner, "local_refs", None) or runner.refcount
+        local = runner.local_refs if hasattr(runner, "local_refs") else runner.refcount
         self.left = {(m, n): k for m in range(n_mb) for n, k in local.items()}
         self.sums: dict[int, tuple[Key | None, bool]] = {}  # output -> (storage, owned)
         self.profiles: dict[int, Profile] = {}

@@ -57,6 +57,12 @@ def test_each_pipeline_covers_every_parameter_once_per_tp_rank(launches, world, 
         assert sorted(keys) == expected, (col, keys)
 
 
+@pytest.mark.parametrize(("world", "case"), RUNS)
+def test_clip_grad_norm_spans_pp_and_tp_counting_replicated_parameters_once(launches, world, case):
+    for rec in launches[world]:
+        assert rec[case]["norm_err"] < TOL, (rec["rank"], rec[case])
+
+
 @pytest.mark.parametrize(("world", "case"), [(w, c) for w, c in RUNS if c in tp_worker.ADAMW])
 def test_two_adamw_steps_equal_single_process_training(launches, world, case):
     for rec in launches[world]:

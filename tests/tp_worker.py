@@ -174,6 +174,11 @@ def run_case(name: str, mesh: Any) -> dict[str, Any]:
         ),
         "dtensor_grads": sum(isinstance(t, DTensor) for t in g.values()),
         "stages": piped.local_stages,
+        # the global gradient norm over pp and tp (shards summed, replicated ones counted once)
+        "norm_err": abs(
+            float(fpipe.clip_grad_norm_(g, 1e9, pipeline=piped))
+            - float(torch.stack([t.norm() for t in ref_g.values()]).norm())
+        ),
     }
     if name in ADAMW and (name in ON_8_RANKS or "dp" not in mesh.mesh_dim_names):
         rec["adamw_err"] = adamw_steps(plan, mesh)

@@ -100,6 +100,13 @@ def test_a_sharded_tensor_parameter_is_refused_pointing_to_dtensor(launches):
         assert "parameter 'w' is a ShardedTensor" in msg and "parallelize_module" in msg, msg
 
 
+def test_automatic_cuts_of_a_tensor_parallel_function_are_refused_asking_for_cuts(launches):
+    for rec in launches[4]:
+        msg = rec["auto_partition"]
+        assert "fpipe cannot yet choose the cuts of a tensor-parallel function" in msg, msg
+        assert "cuts={'blocks': k}" in msg, msg
+
+
 def test_a_tp_rank_failing_mid_step_stops_every_rank_at_once_naming_it(launches):
     """Global rank 1 fails inside a stage program while its tp peer waits in a collective: the
     peer, and the next stage's ranks (which learn it through the peer), stop with an error naming

@@ -240,6 +240,18 @@ def tp_rank_data_mismatch(mesh: Any) -> str:
     return "no error"
 
 
+def auto_partition(mesh: Any) -> str:
+    """`stages=2` with no boundaries or cuts: refused, asking for cuts (fpipe cannot yet choose
+    a tensor-parallel function's cuts)."""
+    fn, params = fpipe.functionalize(built("tp", mesh))
+    piped = fpipe.pipeline(loss_of(fn), mesh=mesh, microbatches=M, stages=2)
+    try:
+        fpipe.value_and_grad(piped)(params, *data())
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
 def sharded_tensor(mesh: Any) -> str:
     """A ShardedTensor parameter: a TypeError saying to use DTensor."""
     from torch.distributed._shard import sharded_tensor
@@ -338,6 +350,7 @@ def main() -> None:
         rec["on_meta"] = record("on_meta", on_meta, mesh)
         rec["mismatch"] = record("mismatch", tp_rank_data_mismatch, mesh)
         rec["sharded_tensor"] = record("sharded_tensor", sharded_tensor, mesh)
+        rec["auto_partition"] = record("auto_partition", auto_partition, mesh)
         rec["failure"] = record("failure", tp_rank_fails_mid_step, mesh)  # last: it leaves work pending
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(rec, f)

@@ -56,7 +56,23 @@ class StageMemory:
 @dataclasses.dataclass(frozen=True)
 class MemoryReport:
     """A predicted step: `peak` bytes, reached while action `at` runs; `stages`, per stage;
-    `actions`, per action: (action, bytes while it runs, bytes of values held after it)."""
+    `actions`, per action: (action, bytes while it runs, bytes of values held after it).
+
+    Example:
+        >>> import torch, fpipe
+        >>> def f(w, x):
+        ...     h = fpipe.stage_boundary(torch.tanh(x @ w))
+        ...     return (h @ w).pow(2).mean()
+        >>> w, x = torch.randn(256, 256), torch.randn(1024, 256)
+        >>> report = fpipe.pipeline(f, microbatches=4).memory_report(w, x)
+        >>> [s.stage for s in report.stages], sum(s.grads for s in report.stages) == w.nbytes
+        ([0, 1], True)
+        >>> print(report.table())  # w's gradient sum: from B1.0, its first writer
+        stage  rank   at peak  grad sums      kept  in flight   largest program
+            0     0  0.50 MiB   0.00 MiB  0.50 MiB          2          0.50 MiB
+            1     1  1.25 MiB   0.25 MiB  0.50 MiB          2          0.50 MiB
+        total        1.75 MiB                                  peak during B1.3
+    """
 
     peak: int
     at: str

@@ -60,9 +60,7 @@ def one(schedule: str, stages: int, batch: int, microbatches: int) -> tuple[int,
     torch.manual_seed(0)
     fn, params = fpipe.functionalize(GPT(cfg, cuts_for(cfg, stages)))
     tokens, targets = make_batch(cfg, batch, seed=0)
-    piped = fpipe.pipeline(
-        lambda p, x, y: lm_loss(fn(p, x), y), microbatches=microbatches, schedule=schedule
-    )
+    piped = fpipe.pipeline(lambda p, x, y: lm_loss(fn(p, x), y), microbatches=microbatches, schedule=schedule)
     report = piped.memory_report(params, tokens, targets)
     step = fpipe.value_and_grad(piped)
     step(params, tokens, targets)

@@ -58,6 +58,17 @@ def test_each_pipeline_covers_every_parameter_once_per_tp_rank(launches, world, 
 
 
 @pytest.mark.parametrize(("world", "case"), RUNS)
+def test_values_cross_stages_as_local_shards(launches, world, case):
+    """Megatron's layout: the residual stream is replicated over tp, so stage 0 sends it whole
+    (from every tp rank); sequence parallelism shards it on the sequence: half of it each."""
+    b, t, d = tp_worker.BATCH // tp_worker.M // (2 if world == 8 else 1), tp_worker.SEQ, tp_worker.D
+    want = [b, t // 2, d] if case.startswith("sp") else [b, t, d]
+    for rec in launches[world]:
+        shapes = rec[case]["crossing"]
+        assert shapes and all(s == want for s in shapes), (rec["rank"], shapes)
+
+
+@pytest.mark.parametrize(("world", "case"), RUNS)
 def test_clip_grad_norm_spans_pp_and_tp_counting_replicated_parameters_once(launches, world, case):
     for rec in launches[world]:
         assert rec[case]["norm_err"] < TOL, (rec["rank"], rec[case])

@@ -174,6 +174,7 @@ def run_case(name: str, mesh: Any) -> dict[str, Any]:
         ),
         "dtensor_grads": sum(isinstance(t, DTensor) for t in g.values()),
         "stages": piped.local_stages,
+        "crossing": crossing(piped),
         # the global gradient norm over pp and tp (shards summed, replicated ones counted once)
         "norm_err": abs(
             float(fpipe.clip_grad_norm_(g, 1e9, pipeline=piped))
@@ -183,6 +184,16 @@ def run_case(name: str, mesh: Any) -> dict[str, Any]:
     if name in ADAMW and (name in ON_8_RANKS or "dp" not in mesh.mesh_dim_names):
         rec["adamw_err"] = adamw_steps(plan, mesh)
     return rec
+
+
+def crossing(piped: Any) -> list[list[int]]:
+    """The shapes of the values stage 0's forward sends to stage 1's (this rank's shards)."""
+    st = piped._last.staged
+    return sorted(
+        list(st.meta[v][0])
+        for v, p in st.producer.items()
+        if p == ("F", 0) and ("F", 1) in st.consumers.get(v, [])
+    )
 
 
 def adamw_steps(plan: str, mesh: Any) -> float:

@@ -118,6 +118,18 @@ def test_automatic_cuts_of_a_tensor_parallel_function_are_refused_asking_for_cut
         assert "cuts={'blocks': k}" in msg, msg
 
 
+def test_a_dtensor_data_argument_is_refused_saying_to_pass_plain_tensors(launches):
+    for rec in launches[4]:
+        msg = rec["dtensor_data"]
+        assert "a data argument is a DTensor" in msg and "pass the data as plain tensors" in msg, msg
+
+
+def test_a_parameter_sharded_over_dp_and_tp_at_once_is_refused(launches):
+    for rec in launches[8]:
+        msg = rec["dp_and_tp"]
+        assert "is a DTensor on mesh" in msg and "both at once is not supported yet" in msg, msg
+
+
 def test_a_tp_rank_failing_mid_step_stops_every_rank_at_once_naming_it(launches):
     """Global rank 1 fails inside a stage program while its tp peer waits in a collective: the
     peer, and the next stage's ranks (which learn it through the peer), stop with an error naming

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from dp_worker import MatmulFlops
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -263,6 +263,28 @@ def auto_partition(mesh: Any) -> str:
     return "no error"
 
 
+def refused(mesh: Any, params: dict[str, torch.Tensor], x: torch.Tensor) -> str:
+    """The error a step of `(x @ w).sum()` on these inputs raises (before any transfer)."""
+    piped = fpipe.pipeline(lambda p, x: (x @ p["w"]).sum(), mesh=mesh)
+    try:
+        fpipe.value_and_grad(piped)(params, x)
+    except (TypeError, ValueError) as err:
+        return str(err)
+    return "no error"
+
+
+def dtensor_data(mesh: Any) -> str:
+    """A DTensor data argument beside tensor-parallel parameters: refused, saying to pass plain."""
+    w = distribute_tensor(torch.ones(4, 4), mesh["tp"], [Shard(1)])
+    return refused(mesh, {"w": w}, distribute_tensor(torch.ones(2, 4), mesh["tp"], [Replicate()]))
+
+
+def dp_and_tp_at_once(mesh: Any) -> str:
+    """A parameter sharded over dp and tp at once (a 2-D DTensor): refused."""
+    w = distribute_tensor(torch.ones(4, 4), mesh["dp", "tp"], [Shard(0), Shard(1)])
+    return refused(mesh, {"w": w}, torch.ones(2, 4))
+
+
 def sharded_tensor(mesh: Any) -> str:
     """A ShardedTensor parameter: a TypeError saying to use DTensor."""
     from torch.distributed._shard import sharded_tensor
@@ -357,11 +379,14 @@ def main() -> None:
     for name in only.split(",") if only else (CASES if world == 4 else ON_8_RANKS):
         rec[name] = record(name, run_case, name, mesh)
     rec["matmul_share"] = record("matmul_share", matmul_share, mesh)
+    if world == 8:
+        rec["dp_and_tp"] = record("dp_and_tp", dp_and_tp_at_once, mesh)
     if world == 4:
         rec["on_meta"] = record("on_meta", on_meta, mesh)
         rec["mismatch"] = record("mismatch", tp_rank_data_mismatch, mesh)
         rec["sharded_tensor"] = record("sharded_tensor", sharded_tensor, mesh)
         rec["auto_partition"] = record("auto_partition", auto_partition, mesh)
+        rec["dtensor_data"] = record("dtensor_data", dtensor_data, mesh)
         rec["failure"] = record("failure", tp_rank_fails_mid_step, mesh)  # last: it leaves work pending
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(rec, f)

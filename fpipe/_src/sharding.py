@@ -53,7 +53,8 @@ def check_sharded(call: str, dp_mesh: Any, params: list[torch.Tensor], keys: lis
                 f"{call}: parameter {name} is a DTensor on mesh {p.device_mesh} with placements "
                 f"{tuple(p.placements)}; fpipe shards parameters over data-parallel replicas only as "
                 "Shard(0) on the pipeline mesh's 'dp' sub-mesh: distribute_tensor(t, mesh['dp'], "
-                "[Shard(0)])."
+                "[Shard(0)]), and over tensor-parallel ranks on its 'tp' sub-mesh "
+                "(parallelize_module(model, mesh['tp'], plan)); both at once is not supported yet."
             )
 
 

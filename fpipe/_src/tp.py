@@ -208,4 +208,10 @@ def localize(call: str, inp: Any, tp_mesh: Any) -> Any:
     from .inputs import param_keys
 
     leaves, specs = split_params(call, inp.param_leaves, param_keys(inp), tp_mesh)
+    if specs and any(isinstance(t, DTensor) for t in inp.data_leaves):
+        raise TypeError(
+            f"{call}: a data argument is a DTensor; with tensor-parallel parameters pass the data "
+            "as plain tensors, the same on every tp rank (the plan's input hooks distribute them, "
+            "as in eager tensor parallelism)."
+        )
     return dataclasses.replace(inp, param_leaves=leaves, tp=specs) if specs else inp

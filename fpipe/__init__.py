@@ -15,5 +15,7 @@ from ._src.functionalize import functionalize as functionalize
 from ._src.marker import stage_boundary as stage_boundary
 from ._src.optim import clip_grad_norm_ as clip_grad_norm_
 from ._src.optim import set_grads as set_grads
+from ._src.plan import Plan as Plan
+from ._src.plan import plan as plan
 
 __version__ = "0.1.0"

@@ -220,6 +220,7 @@ def pipeline(
     compile: bool | dict[str, Any] = False,
     partition: str = "estimate",
     cuts: Any = None,
+    plan: Any = None,
 ) -> Pipelined:
     """Cut `f` into pipeline stages and run it over microbatches.
 
@@ -258,6 +259,8 @@ def pipeline(
             `functionalize`, instead of `stage_boundary` calls: `["blocks.4", "blocks.8"]`, a
             compiled regex over paths, or `{"blocks": 4}` (every 4th entry); NOTE [cuts by
             module path] in cuts.py.
+        plan: a `fpipe.plan(...)` result: its stages, cuts, microbatches, schedule (and mesh
+            under torchrun, when dp > 1) replace those arguments.
 
     Returns:
         A `Pipelined` callable with `f`'s signature; use it under `fpipe.value_and_grad`,
@@ -281,5 +284,6 @@ def pipeline(
         stages=stages, microbatches=microbatches, schedule=schedule, in_axes=in_axes, out_axes=out_axes,
         mesh=mesh, timeout=timeout, compile=compile, partition=partition, cuts=cuts,
     )  # fmt: skip
+    settings = plan.settings(settings) if plan is not None else settings
     Config(f, **settings).check()
     return Pipelined(f, **settings)

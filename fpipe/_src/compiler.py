@@ -78,7 +78,8 @@ class Compiler:
     ) -> None:
         self.cfg, self.pg, self.dp, self.dp_mesh, self.tp = cfg, pg, dp, dp_mesh, tp
         self.cache: dict[Key, Compiled] = {}
-        self._measured: dict[Key, list[float]] = {}  # see _measured_costs
+        # see _measured_costs; `fpipe.plan` hands its measurements in, so its cuts are reproduced
+        self._measured: dict[Key, list[float]] = cfg.costs if cfg.costs is not None else {}
 
     def get(
         self, inp: Inputs, mb0: list[torch.Tensor], grad_of: tuple[int, ...] | None, has_aux: bool

@@ -38,6 +38,7 @@ class Config:
     compile: bool | dict[str, Any] = False
     partition: str = "estimate"
     cuts: Any = None  # module paths where stages begin (NOTE [cuts by module path] in cuts.py)
+    costs: Any = None  # measured per-operation costs to cut by, shared (fpipe.plan's; compiler.py)
 
     @property
     def call(self) -> str:

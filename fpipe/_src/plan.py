@@ -1,0 +1,368 @@
+"""Plan: choose dp x pp, microbatches, schedule and cuts for `world_size` ranks from measurements.
+
+# NOTE [how fpipe.plan predicts]
+Layouts: every dp x pp = world_size whose dp divides the batch (tp = 1: tensor-parallel layouts
+are not planned yet, and DTensor parameters are refused); per layout a few microbatch counts
+(divisors of the per-replica batch, at least pp); per count every registered schedule that
+builds for pp ranks. Cuts: `auto_partition` over measured per-operation costs. Each candidate's
+stages are timed in this process (plan_cost.py: NOTE [what the planner measures]); then
+
+- step = simulate(schedule, measured F / I / W per stage, comm = one transfer's time)
+  + time outside actions (measured, shared over the pp ranks) + the optimizer step of the
+  busiest rank's parameters + the all-reduce of its gradient bytes over dp (not overlapped:
+  an upper bound; fpipe launches buckets as the pipeline drains);
+- peak = the busiest rank's predicted working memory (memory.py, its actions replayed alone)
+  + its parameters, their optimizer state (AdamW: 2x), and with dp > 1 a copy of its gradients
+  for the all-reduce buckets.
+
+Candidates over `memory_limit` are dropped; the rest are ranked by predicted step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_flatten, tree_map
+
+from .plan_cost import (
+    OPTIMIZERS,
+    Links,
+    StageTimes,
+    agree,
+    agree_costs,
+    crossing_bytes,
+    local_pipeline,
+    measure_links,
+    measure_stages,
+    optimizer_seconds,
+    rank_memory,
+    world,
+)
+from .plan_table import table
+from .schedule import build, names
+from .schedule_data import Schedule
+from .simulate import simulate
+
+__all__ = ["Plan", "plan"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A layout and its predictions; `candidates` (on the chosen plan) ranks every layout that
+    fits, best first, and `dropped` lists the others with why. `str(plan)` is `plan.table()`."""
+
+    dp: int
+    pp: int
+    tp: int
+    microbatches: int
+    schedule: str
+    stages: int
+    cuts: tuple[str, ...]  # the first operation of each stage after the first
+    predicted_step_s: float
+    predicted_peak_bytes: int
+    bubble: float  # the simulated idle fraction, averaged over the pp ranks
+    serial_s: float  # predicted step with every stage in one process (what one process measures)
+    parts: dict[str, float] = dataclasses.field(default_factory=dict)  # step: makespan, comm, ...
+    candidates: tuple[Plan, ...] = ()
+    dropped: tuple[tuple[Plan, str], ...] = ()
+    measure_s: float = 0.0  # seconds spent measuring (0.0 when cached)
+    links: Links | None = None
+    costs: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def layout(self) -> str:
+        return f"dp={self.dp} pp={self.pp} m={self.microbatches} {self.schedule}"
+
+    def table(self) -> str:
+        """The ranked candidates and the dropped ones, and why the winner won."""
+        return table(self)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def settings(self, given: dict[str, Any]) -> dict[str, Any]:
+        """`pipeline(f, plan=self, ...)`'s arguments: the plan's stages, microbatches, schedule and
+        cuts (its measured costs) and, under torchrun with dp > 1, a ("dp", "pp") mesh."""
+        out = dict(given, stages=self.stages, microbatches=self.microbatches, schedule=self.schedule)
+        if self.stages > 1:
+            out.update(partition="measure", costs=self.costs)
+        size = world()[1]
+        if size > 1:
+            if size != self.dp * self.pp:
+                raise ValueError(
+                    f"pipeline(plan=...): the plan is for dp={self.dp} x pp={self.pp} = "
+                    f"{self.dp * self.pp} ranks but this job has {size}; plan with world_size={size}."
+                )
+            if self.dp > 1:
+                from torch.distributed.device_mesh import init_device_mesh
+
+                device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+                out["mesh"] = init_device_mesh(device, (self.dp, self.pp), mesh_dim_names=("dp", "pp"))
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Candidate:
+    dp: int
+    pp: int
+    m: int
+    name: str
+    sched: Schedule
+
+    @property
+    def config(self) -> tuple[int, int, int, frozenset[int]]:
+        """What is timed: (dp, microbatches... as the microbatch's rows), stages, I/W stages."""
+        iw = frozenset(a.stage for a in self.sched.actions() if a.kind in "IW")
+        return (self.dp * self.m, self.m, self.sched.n_stages, iw)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _batch(call: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    for t in tree_flatten((args, kwargs))[0]:
+        if isinstance(t, torch.Tensor) and t.dim() > 0:
+            return int(t.shape[0])
+    raise ValueError(f"{call}: no example argument is a tensor with a batch dimension (dim 0).")
+
+
+def _schedules(pp: int, m: int) -> Iterator[tuple[str, Schedule]]:
+    for name in ["1f1b"] if pp == 1 else names():
+        try:
+            yield name, build(name, pp=pp, microbatches=m)
+        except ValueError:
+            continue
+
+
+def _candidates(call: str, world_size: int, batch: int) -> tuple[list[_Candidate], list[str]]:
+    out, skipped = [], []
+    for dp in _divisors(world_size):
+        pp = world_size // dp
+        if batch % dp:
+            skipped.append(f"dp={dp} pp={pp}: batch {batch} is not divisible by dp={dp}")
+            continue
+        ms = [d for d in _divisors(batch // dp) if d >= pp][:3]
+        if not ms:
+            skipped.append(f"dp={dp} pp={pp}: the per-replica batch {batch // dp} is smaller than pp={pp}")
+        out += [_Candidate(dp, pp, m, n, s) for m in ms for n, s in _schedules(pp, m)]
+    if not out:
+        raise ValueError(f"{call}: no layout of {world_size} ranks fits: {'; '.join(skipped)}.")
+    return out, skipped
+
+
+def _replica(args: Any, rows: int) -> Any:
+    """The first `rows` of every batched tensor: one replica's slice."""
+    return tree_map(lambda t: t[:rows] if isinstance(t, torch.Tensor) and t.dim() > 0 else t, args)
+
+
+@dataclasses.dataclass
+class _Measured:
+    times: dict[Any, StageTimes]
+    links: Links
+    optimizer_s: float
+    costs: dict[Any, list[float]]
+    seconds: float
+    skipped: dict[Any, str]  # config -> why it was not timed
+
+
+_CACHE: dict[Any, _Measured] = {}
+
+
+def _signature(f: Any, params: Any, args: Any, kwargs: Any, world_size: int, optimizer: str) -> Any:
+    leaves = tree_flatten((params, args, kwargs))[0]
+    shapes = tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in leaves)
+    return (f, shapes, world_size, optimizer, world()[1])
+
+
+def _measure(
+    f: Callable[..., Any], params: Any, args: Any, kwargs: Any, cands: list[_Candidate],
+    optimizer: str, budget_s: float, batch: int,
+) -> _Measured:  # fmt: skip
+    start = time.perf_counter()
+    costs: dict[Any, list[float]] = {}
+    configs = {c.config: c for c in cands}
+    sizes = {batch // k[0]: k for k in sorted(configs, key=lambda k: (k[0], k[1])) if k[2] > 1}
+    for rows, m, _, _ in sizes.values():  # per-operation costs, once per microbatch size
+        sub = _replica((args, kwargs), batch // rows * m)
+        piped = local_pipeline(f, stages=2, microbatches=m, partition="measure", costs=costs)
+        piped.memory_report(params, *sub[0], **sub[1])
+    agree_costs(costs)
+    times: dict[Any, StageTimes] = {}
+    skipped: dict[Any, str] = {}
+    for key in sorted(configs, key=lambda k: (k[2], -k[0], sorted(k[3]))):
+        if agree([time.perf_counter() - start], "max")[0] > budget_s:
+            skipped[key] = f"not measured: budget_s={budget_s:g} spent"
+            continue
+        c = configs[key]
+        a, k = _replica((args, kwargs), batch // c.dp)
+        try:
+            t = measure_stages(
+                f, params, a, k, 3, stages=c.sched.n_stages, microbatches=c.m, schedule=c.sched,
+                partition="measure" if c.sched.n_stages > 1 else "estimate", costs=costs,
+            )  # fmt: skip
+        except ValueError as err:  # (every rank skips it if one fails: the figures stay matched)
+            skipped[key], t = str(err).split(": ", 1)[-1], None
+        if agree([float(t is None)], "max")[0]:
+            skipped.setdefault(key, "could not be built on another rank")
+            continue
+        assert t is not None
+        n = c.sched.n_stages
+        flat = agree([x for kind in "FBIW" for x in t.kinds[kind]] + [t.overhead])
+        t.kinds = {kind: flat[i * n : (i + 1) * n] for i, kind in enumerate("FBIW")}
+        t.overhead, times[key] = flat[-1], t
+    links = measure_links()
+    opt = agree([optimizer_seconds(optimizer, params)])[0]
+    return _Measured(times, links, opt, costs, time.perf_counter() - start, skipped)
+
+
+def _cuts(c: Any) -> tuple[str, ...]:
+    """The first operation of each forward program after the first stage's."""
+    out = []
+    for s in range(1, c.staged.n_stages):
+        prog = c.staged.programs.get(("F", s))
+        nodes = [] if prog is None else [n for n in prog.gm.graph.nodes if n.op == "call_function"]
+        out.append(nodes[0].name if nodes else "?")
+    return tuple(out)
+
+
+def _predict(c: _Candidate, t: StageTimes, ms: _Measured, opt_factor: int) -> Plan:
+    k = t.kinds
+    iw = c.config[3]
+    n = c.sched.n_stages
+    backward = [k["I"][s] if s in iw else k["B"][s] for s in range(n)]
+    weight = [k["W"][s] if s in iw else 0.0 for s in range(n)]
+    nbytes, transfers = crossing_bytes(t.compiled, c.sched)
+    comm = ms.links.p2p(nbytes / transfers) if transfers else 0.0
+    sim = simulate(c.sched, forward=k["F"], backward=backward, weight=weight, comm=comm)
+    reports = rank_memory(t.compiled, c.sched, c.m)
+    grads = [sum(s.grads for s in r.stages) for r in reports]
+    busiest = max(range(c.pp), key=lambda r: grads[r])
+    total_grads = max(sum(grads), 1)
+    parts = {
+        "makespan": sim.makespan,
+        "outside actions": t.overhead / c.pp,
+        "optimizer": ms.optimizer_s * grads[busiest] / total_grads,
+        "dp all-reduce": ms.links.allreduce(grads[busiest], c.dp),
+        "comm per transfer": comm,
+    }
+    step = sum(v for key, v in parts.items() if key != "comm per transfer")
+    peaks = [r.peak + g * (1 + opt_factor) + (g if c.dp > 1 else 0) for r, g in zip(reports, grads)]
+    serial = sum(c.m * (k["F"][s] + backward[s] + weight[s]) for s in range(n)) + t.overhead
+    return Plan(
+        dp=c.dp, pp=c.pp, tp=1, microbatches=c.m, schedule=c.name, stages=n, cuts=_cuts(t.compiled),
+        predicted_step_s=step, predicted_peak_bytes=max(peaks), bubble=sum(sim.bubble) / c.pp,
+        serial_s=serial, parts=parts, links=ms.links, costs=ms.costs,
+    )  # fmt: skip
+
+
+def _check(call: str, params: Any, world_size: Any, optimizer: str) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(
+            f"{call}: world_size must be a positive int (the number of ranks), got {world_size!r}."
+        )
+    size = world()[1]
+    if size > 1 and world_size != size:
+        raise ValueError(f"{call}: this job has {size} ranks; plan for world_size={size}.")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"{call}: unknown optimizer {optimizer!r}; known: {sorted(OPTIMIZERS)}.")
+    if any(isinstance(p, DTensor) for p in tree_flatten(params)[0]):
+        raise ValueError(
+            f"{call}: the parameters are DTensors; fpipe.plan does not plan tensor-parallel "
+            "layouts yet. Choose tp yourself and pass cuts= to fpipe.pipeline."
+        )
+
+
+def plan(
+    f: Callable[..., Any],
+    params: Any,
+    *example_args: Any,
+    world_size: int,
+    memory_limit: int | None = None,
+    optimizer: str = "adamw",
+    budget_s: float = 120.0,
+    **example_kwargs: Any,
+) -> Plan:
+    """Choose how to run `value_and_grad(pipeline(f, ...))` on `world_size` ranks, from
+    measurements on this machine (NOTE [how fpipe.plan predicts] in plan.py).
+
+    Args:
+        f: the function to pipeline, `f(params, *args, **kwargs)` returning a scalar loss.
+        params, example_args, example_kwargs: a step's inputs; tensors are split along dim 0
+            (the global batch: each of dp replicas gets its share).
+        world_size: the number of ranks (the job's size under torchrun).
+        memory_limit: bytes per rank; layouts predicted to need more are dropped.
+        optimizer: "adamw", "adam", "sgd" or "none": whose step time and state are counted.
+        budget_s: seconds of measuring after which layouts not yet timed are dropped.
+
+    Returns:
+        The best `Plan`; `pipeline(f, plan=p)` builds it. Measurements are cached per input
+        signature, and in a process group averaged over the ranks (the same plan everywhere).
+
+    Raises:
+        ValueError: a bad world_size or optimizer, DTensor parameters, or no layout under
+            `memory_limit` (naming the least memory reachable).
+    """
+    call = f"plan({getattr(f, '__name__', repr(f))}, world_size={world_size!r})"
+    _check(call, params, world_size, optimizer)
+    batch = _batch(call, example_args, example_kwargs)
+    cands, skipped = _candidates(call, world_size, batch)
+    key = _signature(f, params, example_args, example_kwargs, world_size, optimizer)
+    cached = key in _CACHE
+    if not cached:
+        _CACHE[key] = _measure(f, params, example_args, example_kwargs, cands, optimizer, budget_s, batch)
+    ms = _CACHE[key]
+    return _rank(
+        call, cands, ms, memory_limit, OPTIMIZERS[optimizer][1], skipped, 0.0 if cached else ms.seconds
+    )
+
+
+def _rank(
+    call: str, cands: list[_Candidate], ms: _Measured, limit: int | None, opt_factor: int,
+    skipped: list[str], seconds: float,
+) -> Plan:  # fmt: skip
+    fits, dropped = [], []
+    for c in cands:
+        if c.config in ms.skipped:
+            dropped.append((_unmeasured(c), ms.skipped[c.config]))
+            continue
+        p = _predict(c, ms.times[c.config], ms, opt_factor)
+        if limit is not None and p.predicted_peak_bytes > limit:
+            dropped.append(
+                (p, f"peak {p.predicted_peak_bytes / 2**20:.1f} MiB > limit {limit / 2**20:.1f} MiB")
+            )
+        else:
+            fits.append(p)
+    if not fits:
+        least = min((p for p, _ in dropped if p.predicted_peak_bytes), key=lambda p: p.predicted_peak_bytes)
+        raise ValueError(
+            f"{call}: no layout fits memory_limit={limit} bytes; the least memory reachable is "
+            f"{least.predicted_peak_bytes} bytes ({least.predicted_peak_bytes / 2**20:.1f} MiB, "
+            f"{least.layout}); raise memory_limit or use more ranks."
+        )
+    fits.sort(key=lambda p: p.predicted_step_s)
+    notes = tuple((_unmeasured_layout(s), s) for s in skipped)
+    return dataclasses.replace(
+        fits[0], candidates=tuple(fits), dropped=tuple(dropped) + notes, measure_s=seconds
+    )
+
+
+def _unmeasured(c: _Candidate) -> Plan:
+    return Plan(
+        dp=c.dp, pp=c.pp, tp=1, microbatches=c.m, schedule=c.name, stages=c.sched.n_stages, cuts=(),
+        predicted_step_s=float("nan"), predicted_peak_bytes=0, bubble=float("nan"), serial_s=float("nan"),
+    )  # fmt: skip
+
+
+def _unmeasured_layout(text: str) -> Plan:
+    dp, pp = (int(x.split("=")[1]) for x in text.split(":")[0].split())
+    return Plan(
+        dp=dp, pp=pp, tp=1, microbatches=0, schedule="-", stages=pp, cuts=(), predicted_step_s=float("nan"),
+        predicted_peak_bytes=0, bubble=float("nan"), serial_s=float("nan"),
+    )  # fmt: skip

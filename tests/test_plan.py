@@ -1,0 +1,146 @@
+"""fpipe.plan: layouts enumerated, predicted and ranked from measurements, in one process.
+
+What is comparable in one process: a pipeline whose stages all run here takes about the sum of its
+actions' times (plus the time outside actions), not the simulated multi-rank makespan. So the
+prediction checked against a measured step is `Plan.serial_s` (that sum, from the same measured
+per-stage times); the simulated `predicted_step_s` of pp ranks is checked on 2 and 4 ranks by
+bench/plan.py (docs/BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fpipe
+from fpipe._src.plan import _cuts
+
+D, V, L, B = 64, 1024, 4, 64
+
+
+def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    h = x
+    for i in range(L):
+        h = torch.tanh(h @ p[f"w{i}"])
+    return F.cross_entropy(h @ p["head"], y)
+
+
+@pytest.fixture(scope="module")
+def inputs() -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    params = {f"w{i}": torch.randn(D, D, generator=g) * 0.3 for i in range(L)}
+    params["head"] = torch.randn(D, V, generator=g) * 0.1
+    return params, torch.randn(B, D, generator=g), torch.randint(0, V, (B,), generator=g)
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> object:
+    """Measure and run on one thread, as each rank of a torchrun job does (OMP_NUM_THREADS=1):
+    two intra-op threads on a shared 2-core host make timings swing by 10x."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield None
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def planned(inputs: tuple, one_thread: object) -> fpipe.Plan:
+    params, x, y = inputs
+    return fpipe.plan(loss_fn, params, x, y, world_size=2)
+
+
+def _step_seconds(piped: fpipe.Pipelined, params: dict, x: torch.Tensor, y: torch.Tensor) -> float:
+    step = fpipe.value_and_grad(piped)
+    for _ in range(2):
+        step(params, x, y)
+    times = []
+    for _ in range(10):  # the least: other work on a shared host only ever adds time
+        start = time.perf_counter()
+        step(params, x, y)
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def test_plan_enumerates_layouts_and_ranks_them(planned: fpipe.Plan) -> None:
+    layouts = {(c.dp, c.pp) for c in planned.candidates}
+    assert layouts == {(1, 2), (2, 1)}
+    assert {c.schedule for c in planned.candidates if c.pp == 2} >= {"1f1b", "gpipe", "zb-h1", "zbv"}
+    steps = [c.predicted_step_s for c in planned.candidates]
+    assert steps == sorted(steps) and planned.layout == planned.candidates[0].layout
+    assert planned.tp == 1 and planned.measure_s > 0
+    for c in planned.candidates:
+        assert c.dp * c.pp == 2 and (B // c.dp) % c.microbatches == 0
+        assert len(c.cuts) == c.stages - 1 and c.predicted_peak_bytes > 0
+
+
+def test_one_process_step_matches_the_prediction(planned: fpipe.Plan, inputs: tuple) -> None:
+    params, x, y = inputs
+    for c in planned.candidates[:3]:
+        rows = B // c.dp  # one replica's share
+        measured = _step_seconds(fpipe.pipeline(loss_fn, plan=c), params, x[:rows], y[:rows])
+        assert 1 / 3 < measured / c.serial_s < 3, (c.layout, measured, c.serial_s)
+
+
+def test_plan_pipeline_has_the_plans_cuts_and_gradients(planned: fpipe.Plan, inputs: tuple) -> None:
+    params, x, y = inputs
+    c = next(c for c in planned.candidates if c.pp == 2 and c.stages == 4)
+    piped = fpipe.pipeline(loss_fn, plan=c)
+    loss, grads = fpipe.value_and_grad(piped)(params, x, y)
+    want_grads, want_loss = torch.func.grad_and_value(loss_fn)(params, x, y)
+    torch.testing.assert_close(loss, want_loss)
+    torch.testing.assert_close(grads, want_grads)
+    assert piped.cfg.microbatches == c.microbatches and piped.cfg.schedule == c.schedule
+    assert len(piped.local_stages) == c.stages and _cuts(piped._last) == c.cuts
+
+
+def test_measurements_are_cached_per_signature(planned: fpipe.Plan, inputs: tuple) -> None:
+    params, x, y = inputs
+    again = fpipe.plan(loss_fn, params, x, y, world_size=2)
+    assert again.measure_s == 0.0 and again.layout == planned.layout
+    assert again.predicted_step_s == planned.predicted_step_s
+
+
+def test_memory_limit_drops_candidates(planned: fpipe.Plan, inputs: tuple) -> None:
+    params, x, y = inputs
+    peaks = sorted({c.predicted_peak_bytes for c in planned.candidates})
+    limit = peaks[len(peaks) // 2]
+    p = fpipe.plan(loss_fn, params, x, y, world_size=2, memory_limit=limit)
+    assert all(c.predicted_peak_bytes <= limit for c in p.candidates)
+    over = [c for c, why in p.dropped if why.startswith("peak")]
+    assert over and all(c.predicted_peak_bytes > limit for c in over)
+    assert len(p.candidates) + len(over) == len(planned.candidates)
+    assert "dropped: peak" in p.table()
+    with pytest.raises(ValueError, match=f"the least memory reachable is {peaks[0]} bytes"):
+        fpipe.plan(loss_fn, params, x, y, world_size=2, memory_limit=peaks[0] - 1)
+
+
+def test_table_names_the_winner_and_why(planned: fpipe.Plan) -> None:
+    text = str(planned)
+    assert text == planned.table()
+    rows = text.splitlines()
+    assert rows[0].split()[:3] == ["#", "layout", "stages"]
+    assert rows[1].startswith("1") and planned.layout in rows[1] and rows[1].endswith("<- chosen")
+    runner_up = planned.candidates[1]
+    assert f"chosen: {planned.layout} ({planned.stages} stages)" in text
+    assert f"faster than the next, {runner_up.layout} (bubble" in text
+    assert "links: gloo loopback between two threads of this process" in text
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, "2", True])
+def test_invalid_world_size_is_refused(bad: object, inputs: tuple) -> None:
+    params, x, y = inputs
+    with pytest.raises(ValueError) as err:
+        fpipe.plan(loss_fn, params, x, y, world_size=bad)
+    assert str(err.value) == (
+        f"plan(loss_fn, world_size={bad!r}): world_size must be a positive int (the number of "
+        f"ranks), got {bad!r}."
+    )
+
+
+def test_a_world_size_the_batch_does_not_divide_is_refused(inputs: tuple) -> None:
+    params, x, y = inputs
+    with pytest.raises(ValueError, match=r"no layout of 3 ranks fits: dp=1 pp=3: the per-replica"):
+        fpipe.plan(loss_fn, params, x[:2], y[:2], world_size=3)

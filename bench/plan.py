@@ -1,0 +1,142 @@
+"""fpipe.plan's predictions against measured steps, and measured cuts against equal layers (issue 15).
+
+    torchrun --standalone --nproc-per-node 2 bench/plan.py
+    torchrun --standalone --nproc-per-node 4 bench/plan.py --top 3
+
+Every rank plans (`fpipe.plan(..., world_size=W)`: the same plan everywhere, measurements
+averaged), rank 0 prints the plan's table; then the top candidates are each built with
+`fpipe.pipeline(loss, plan=c)` (a ("dp", "pp") mesh where dp > 1) and timed: median of 5 steps
+(value_and_grad + AdamW) after 2 warm-up steps. Rank 0 prints predicted against measured per
+candidate (the error is (predicted - measured) / measured), the planner's pick against the
+measured best, and the pick's layout with its measured cuts against the same layout cut at equal
+block counts (stage_boundary markers) -- the model has a heavy head (a large vocabulary), which
+equal layers put on one stage with a block's share of the rest.
+
+Results: docs/BENCHMARKS.md, "Planning (issue 15)".
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import fpipe
+
+D, L, V, B, T = 128, 8, 16384, 16, 32  # width, blocks, vocabulary, batch, sequence
+
+
+def make(seed: int = 0) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    p = {"embed": torch.randn(V, D, generator=g) * 0.02, "head": torch.randn(D, V, generator=g) * 0.02}
+    for i in range(L):
+        p[f"b{i}.up"] = torch.randn(D, 4 * D, generator=g) * 0.05
+        p[f"b{i}.down"] = torch.randn(4 * D, D, generator=g) * 0.05
+    tokens = torch.randint(0, V, (B, T), generator=g)
+    return p, tokens, torch.roll(tokens, -1, 1)
+
+
+def block(p: dict[str, torch.Tensor], i: int, h: torch.Tensor) -> torch.Tensor:
+    return h + torch.tanh(h @ p[f"b{i}.up"]) @ p[f"b{i}.down"]
+
+
+def loss(p: dict[str, torch.Tensor], tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    h = F.embedding(tokens, p["embed"])
+    for i in range(L):
+        h = block(p, i, h)
+    return F.cross_entropy((h @ p["head"]).flatten(0, 1), targets.flatten())
+
+
+def equal_layers(stages: int) -> Any:
+    """`loss` cut at equal block counts: a boundary after every L / stages blocks."""
+
+    def loss_equal(p: dict[str, torch.Tensor], tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = F.embedding(tokens, p["embed"])
+        for i in range(L):
+            h = block(p, i, h)
+            if (i + 1) % (L // stages) == 0 and i + 1 < L:
+                h = fpipe.stage_boundary(h)
+        return F.cross_entropy((h @ p["head"]).flatten(0, 1), targets.flatten())
+
+    return loss_equal
+
+
+def timed(piped: Any, params: dict[str, torch.Tensor], tokens: torch.Tensor, targets: torch.Tensor) -> float:
+    """Median seconds of 5 steps (value_and_grad + AdamW over this rank's parameters), the max
+    over ranks."""
+    mine = {k: v.detach().clone().requires_grad_() for k, v in params.items()}
+    opt: torch.optim.Optimizer | None = None
+    times = []
+    for i in range(7):
+        dist.barrier()
+        start = time.perf_counter()
+        _, grads = fpipe.value_and_grad(piped)(mine, tokens, targets)
+        fpipe.set_grads(mine, grads)
+        if opt is None:
+            opt = torch.optim.AdamW([mine[k] for k in grads], lr=1e-4)
+        opt.step()
+        opt.zero_grad()
+        if i >= 2:
+            times.append(time.perf_counter() - start)
+    t = torch.tensor([statistics.median(times)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def replica(c: fpipe.Plan, x: torch.Tensor) -> torch.Tensor:
+    rows = x.shape[0] // c.dp
+    i = dist.get_rank() // c.pp  # the ("dp", "pp") mesh: rank = dp index * pp + pp index
+    return x[i * rows : (i + 1) * rows]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--top", type=int, default=4, help="candidates to measure")
+    args = ap.parse_args()
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    params, tokens, targets = make()
+    start = time.perf_counter()
+    plan = fpipe.plan(loss, params, tokens, targets, world_size=world)
+    if rank == 0:
+        print(f"world_size={world}, threads per rank {torch.get_num_threads()}, plan() took "
+              f"{time.perf_counter() - start:.1f} s (measuring {plan.measure_s:.1f} s)\n{plan}\n")  # fmt: skip
+    rows = []
+    for c in plan.candidates[: args.top]:
+        t = timed(fpipe.pipeline(loss, plan=c), params, replica(c, tokens), replica(c, targets))
+        rows.append((c, t))
+        if rank == 0:
+            err = (c.predicted_step_s - t) / t
+            print(f"{c.layout:34s} stages {c.stages}  predicted {c.predicted_step_s * 1e3:7.1f} ms  "
+                  f"measured {t * 1e3:7.1f} ms  error {err:+.0%}", flush=True)  # fmt: skip
+    best = min(rows, key=lambda r: r[1])
+    pick = next(c for c in plan.candidates if c.pp > 1)  # the best pipelined layout, for the cut test
+    measured_pick = dict((c.layout, t) for c, t in rows).get(pick.layout)
+    mesh = pick.settings({}).get("mesh")  # the plan's mesh (None: all ranks one pipeline)
+    eq = fpipe.pipeline(
+        equal_layers(pick.stages), microbatches=pick.microbatches, schedule=pick.schedule, mesh=mesh
+    )
+    t_eq = timed(eq, params, replica(pick, tokens), replica(pick, targets))
+    if measured_pick is None:
+        measured_pick = timed(
+            fpipe.pipeline(loss, plan=pick), params, replica(pick, tokens), replica(pick, targets)
+        )
+    if rank == 0:
+        print(f"\nplanner's pick: {plan.layout} measured {rows[0][1] * 1e3:.1f} ms; measured best of "
+              f"the top {len(rows)}: {best[0].layout} {best[1] * 1e3:.1f} ms "
+              f"(pick is {rows[0][1] / best[1] - 1:+.0%} off the best)")  # fmt: skip
+        print(f"{pick.layout}: measured cuts {pick.cuts} {measured_pick * 1e3:.1f} ms; equal layers "
+              f"({L // pick.stages} blocks per stage) {t_eq * 1e3:.1f} ms "
+              f"(measured cuts {t_eq / measured_pick:.2f}x faster)")  # fmt: skip
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

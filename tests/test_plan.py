@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import fpipe
+import fpipe._src.plan as plan_mod
 from fpipe._src.plan import _cuts
 
 D, V, L, B = 64, 1024, 4, 64
@@ -81,6 +82,13 @@ def test_one_process_step_matches_the_prediction(planned: fpipe.Plan, inputs: tu
     for c in planned.candidates[:3]:
         rows = B // c.dp  # one replica's share
         measured = _step_seconds(fpipe.pipeline(loss_fn, plan=c), params, x[:rows], y[:rows])
+        if not 1 / 3 < measured / c.serial_s < 3:  # the host's load changed: both again, once
+            saved = dict(plan_mod._CACHE)
+            plan_mod._CACHE.clear()
+            fresh = fpipe.plan(loss_fn, params, x, y, world_size=2)
+            plan_mod._CACHE.update(saved)  # the other tests compare with `planned`'s
+            c = next(d for d in fresh.candidates if d.layout == c.layout)
+            measured = _step_seconds(fpipe.pipeline(loss_fn, plan=c), params, x[:rows], y[:rows])
         assert 1 / 3 < measured / c.serial_s < 3, (c.layout, measured, c.serial_s)
 
 
@@ -144,3 +152,25 @@ def test_a_world_size_the_batch_does_not_divide_is_refused(inputs: tuple) -> Non
     params, x, y = inputs
     with pytest.raises(ValueError, match=r"no layout of 3 ranks fits: dp=1 pp=3: the per-replica"):
         fpipe.plan(loss_fn, params, x[:2], y[:2], world_size=3)
+
+
+def test_layouts_not_timed_within_the_budget_are_dropped(inputs: tuple, one_thread: object) -> None:
+    params, x, y = inputs
+    p = fpipe.plan(loss_fn, params, x, y, world_size=2, budget_s=0.0)
+    untimed = [c for c, why in p.dropped if why == "not measured: budget_s=0 spent"]
+    assert p.candidates and untimed
+    timed_all = {c.layout for c in fpipe.plan(loss_fn, params, x, y, world_size=2).candidates}
+    assert timed_all <= {c.layout for c in p.candidates} | {c.layout for c in untimed}
+
+
+def test_dtensor_parameters_are_refused(inputs: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tp > 1 is not planned yet (a stand-in class: a DTensor needs a process group)."""
+
+    class FakeDTensor(torch.Tensor):
+        pass
+
+    monkeypatch.setattr(plan_mod, "DTensor", FakeDTensor)
+    params, x, y = inputs
+    shard = torch.zeros(2).as_subclass(FakeDTensor)
+    with pytest.raises(ValueError, match="does not plan tensor-parallel layouts yet"):
+        fpipe.plan(loss_fn, {**params, "w0": shard}, x, y, world_size=2)

@@ -175,10 +175,10 @@ class _Measured:
 _CACHE: dict[Any, _Measured] = {}
 
 
-def _signature(f: Any, params: Any, args: Any, kwargs: Any, world_size: int, optimizer: str) -> Any:
+def _signature(f: Any, params: Any, args: Any, kwargs: Any, *settings: Any) -> Any:
     leaves = tree_flatten((params, args, kwargs))[0]
     shapes = tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in leaves)
-    return (f, shapes, world_size, optimizer, world()[1])
+    return (f, shapes, *settings, world()[1])
 
 
 def _measure(
@@ -197,7 +197,7 @@ def _measure(
     times: dict[Any, StageTimes] = {}
     skipped: dict[Any, str] = {}
     for key in sorted(configs, key=lambda k: (k[2], -k[0], sorted(k[3]))):
-        if agree([time.perf_counter() - start], "max")[0] > budget_s:
+        if times and agree([time.perf_counter() - start], "max")[0] > budget_s:  # (one, at least)
             skipped[key] = f"not measured: budget_s={budget_s:g} spent"
             continue
         c = configs[key]
@@ -299,7 +299,8 @@ def plan(
         world_size: the number of ranks (the job's size under torchrun).
         memory_limit: bytes per rank; layouts predicted to need more are dropped.
         optimizer: "adamw", "adam", "sgd" or "none": whose step time and state are counted.
-        budget_s: seconds of measuring after which layouts not yet timed are dropped.
+        budget_s: seconds of measuring after which layouts not yet timed are dropped (the
+            first is always timed).
 
     Returns:
         The best `Plan`; `pipeline(f, plan=p)` builds it. Measurements are cached per input
@@ -313,7 +314,7 @@ def plan(
     _check(call, params, world_size, optimizer)
     batch = _batch(call, example_args, example_kwargs)
     cands, skipped = _candidates(call, world_size, batch)
-    key = _signature(f, params, example_args, example_kwargs, world_size, optimizer)
+    key = _signature(f, params, example_args, example_kwargs, world_size, optimizer, budget_s)
     cached = key in _CACHE
     if not cached:
         _CACHE[key] = _measure(f, params, example_args, example_kwargs, cands, optimizer, budget_s, batch)

@@ -98,36 +98,32 @@ def test_a_model_built_on_meta_allocates_only_this_ranks_shards_of_its_stages(la
         assert res["loss_err"] < TOL and res["grad_err"] < TOL, res
 
 
-def test_tp_ranks_passing_batches_of_different_shapes_fail_before_the_step(launches):
-    for rec in launches[4]:
-        msg = rec["mismatch"]
-        assert "tensor-parallel ranks [0] were called with inputs whose shapes" in msg, msg
-        assert "differ from tensor-parallel ranks [1]" in msg, msg
+REFUSALS = {  # worker record: (launch, what its error must say)
+    "mismatch": (
+        4,
+        [
+            "tensor-parallel ranks [0] were called with inputs whose shapes",
+            "differ from tensor-parallel ranks [1]",
+        ],
+    ),
+    "sharded_tensor": (4, ["parameter 'w' is a ShardedTensor", "parallelize_module"]),
+    "auto_partition": (
+        4,
+        ["fpipe cannot yet choose the cuts of a tensor-parallel function", "cuts={'blocks': k}"],
+    ),
+    "dtensor_data": (4, ["a data argument is a DTensor", "pass the data as plain tensors"]),
+    "dp_and_tp": (8, ["is a DTensor on mesh", "both at once is not supported yet"]),
+}
 
 
-def test_a_sharded_tensor_parameter_is_refused_pointing_to_dtensor(launches):
-    for rec in launches[4]:
-        msg = rec["sharded_tensor"]
-        assert "parameter 'w' is a ShardedTensor" in msg and "parallelize_module" in msg, msg
-
-
-def test_automatic_cuts_of_a_tensor_parallel_function_are_refused_asking_for_cuts(launches):
-    for rec in launches[4]:
-        msg = rec["auto_partition"]
-        assert "fpipe cannot yet choose the cuts of a tensor-parallel function" in msg, msg
-        assert "cuts={'blocks': k}" in msg, msg
-
-
-def test_a_dtensor_data_argument_is_refused_saying_to_pass_plain_tensors(launches):
-    for rec in launches[4]:
-        msg = rec["dtensor_data"]
-        assert "a data argument is a DTensor" in msg and "pass the data as plain tensors" in msg, msg
-
-
-def test_a_parameter_sharded_over_dp_and_tp_at_once_is_refused(launches):
-    for rec in launches[8]:
-        msg = rec["dp_and_tp"]
-        assert "is a DTensor on mesh" in msg and "both at once is not supported yet" in msg, msg
+@pytest.mark.parametrize("what", REFUSALS)
+def test_bad_input_is_refused_before_the_step_saying_why(launches, what):
+    """tp ranks passing batches of different shapes; a ShardedTensor parameter; stages=N with no
+    cuts; a DTensor data argument; a parameter sharded over dp and tp at once."""
+    world, needles = REFUSALS[what]
+    for rec in launches[world]:
+        msg = rec[what]
+        assert all(n in msg for n in needles), msg
 
 
 def test_a_tp_rank_failing_mid_step_stops_every_rank_at_once_naming_it(launches):

@@ -174,3 +174,13 @@ def test_dtensor_parameters_are_refused(inputs: tuple, monkeypatch: pytest.Monke
     shard = torch.zeros(2).as_subclass(FakeDTensor)
     with pytest.raises(ValueError, match="does not plan tensor-parallel layouts yet"):
         fpipe.plan(loss_fn, {**params, "w0": shard}, x, y, world_size=2)
+
+
+def test_arguments_the_plan_sets_are_refused_alongside_it(planned: fpipe.Plan) -> None:
+    with pytest.raises(ValueError) as err:
+        fpipe.pipeline(loss_fn, plan=planned, microbatches=3)
+    assert str(err.value) == (
+        "pipeline(plan=...): the plan sets stages, microbatches, schedule, mesh, partition, cuts; "
+        "do not pass microbatches=3 too (plan again to change them)."
+    )
+    fpipe.pipeline(loss_fn, plan=planned, timeout=30.0)  # the others are kept

@@ -52,6 +52,12 @@ from .simulate import simulate
 __all__ = ["Plan", "plan"]
 
 
+# pipeline()'s defaults of the arguments a plan sets
+_PLANNED: dict[str, Any] = dict(
+    stages=None, microbatches=1, schedule="1f1b", mesh=None, partition="estimate", cuts=None
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """A layout and its predictions; `candidates` (on the chosen plan) ranks every layout that
@@ -89,6 +95,12 @@ class Plan:
     def settings(self, given: dict[str, Any]) -> dict[str, Any]:
         """`pipeline(f, plan=self, ...)`'s arguments: the plan's stages, microbatches, schedule and
         cuts (its measured costs) and, under torchrun with dp > 1, a ("dp", "pp") mesh."""
+        clash = [k for k, v in _PLANNED.items() if given.get(k, v) is not v and given.get(k) != v]
+        if clash:
+            raise ValueError(
+                f"pipeline(plan=...): the plan sets {', '.join(_PLANNED)}; do not pass "
+                f"{', '.join(f'{k}={given[k]!r}' for k in clash)} too (plan again to change them)."
+            )
         out = dict(given, stages=self.stages, microbatches=self.microbatches, schedule=self.schedule)
         if self.stages > 1:
             out.update(partition="measure", costs=self.costs)

@@ -65,9 +65,10 @@ def agree(values: list[float], op: str = "mean") -> list[float]:
     """`values` averaged (or their max) over the ranks of the default group; as they are alone."""
     if world()[1] == 1 or not values:
         return values
-    vec = torch.tensor(values, dtype=torch.float64)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    vec = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(vec, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
-    return (vec if op == "max" else vec / world()[1]).tolist()
+    return (vec if op == "max" else vec / world()[1]).cpu().tolist()
 
 
 def agree_costs(store: dict[Any, list[float]]) -> None:

@@ -42,7 +42,18 @@ LOSSES = {
     "mse sum * 0.5": lambda p, x, t: 0.5 * F.mse_loss(_hidden(p, x), torch.ones(x.shape[0], 5, dtype=x.dtype), reduction="sum"),
     "mean + weight decay": lambda p, x, t: _hidden(p, x).pow(2).mean() + 1e-2 * p["w"].pow(2).sum(),
     "sum of two sums": lambda p, x, t: _hidden(p, x).sum() - 2 * _hidden(p, x).pow(2).sum(),
+    # followed through attention, split + cat and masked writes (what tensor-parallel and
+    # sequence-parallel programs are made of): a sum stays a sum
+    "sum through attention": lambda p, x, t: (lambda q: F.scaled_dot_product_attention(q, q, q).sum())(_hidden(p, x).view(-1, 1, 1, 5)),
+    "sum through split and cat": lambda p, x, t: torch.cat(_hidden(p, x).split([2, 3], dim=1)[::-1], 1).pow(2).sum(),
+    "sum through a masked write": lambda p, x, t: _masked(_hidden(p, x)).sum(),
 }  # fmt: skip
+
+
+def _masked(h: torch.Tensor) -> torch.Tensor:
+    out = h.clone()
+    out[h < 0] = 0.0
+    return out
 
 
 @pytest.mark.parametrize("name", list(LOSSES))

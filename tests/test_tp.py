@@ -46,6 +46,25 @@ def test_loss_and_dtensor_gradients_equal_the_unsplit_model(launches, world, cas
 
 
 @pytest.mark.parametrize(("world", "case"), RUNS)
+def test_a_plain_call_returns_the_unsplit_loss_and_sum_losses_are_read(launches, world, case):
+    """A plain (forward) call gives the loss; a sum loss ("tp-sum") is read as a sum through the
+    tp collectives (all-reduces, and the gathers of a column-parallel head and of sequence
+    parallelism), not averaged over microbatches, and no case needed the warning fpipe gives
+    when it cannot read a tensor-parallel reduction."""
+    for rec in launches[world]:
+        res = rec[case]
+        assert res["forward_err"] < TOL, (rec["rank"], res)
+        assert not res["warned_reduction"], (rec["rank"], res)
+
+
+def test_a_tp_dimension_of_size_one_gives_the_unsplit_model(launches):
+    for rec in launches[4]:
+        res = rec["tp_of_one"]
+        assert "error" not in res, res
+        assert res["loss_err"] < TOL and res["grad_err"] < TOL and res["dtensor_grads"] > 0, res
+
+
+@pytest.mark.parametrize(("world", "case"), RUNS)
 def test_each_pipeline_covers_every_parameter_once_per_tp_rank(launches, world, case):
     """Within each (dp, tp) column, the pipeline ranks' gradients cover every parameter."""
     expected = sorted(n for n, _ in tp_worker.reference().named_parameters())

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -34,11 +35,12 @@ import fpipe
 VOCAB, D, HEADS, SEQ, LAYERS, BATCH, M = 16, 8, 4, 4, 2, 8, 2
 TWO = ["blocks.1"]  # where stages begin: two stages, or four (zbv: two per rank)
 FOUR = ["blocks.0.mlp", "blocks.1", "blocks.1.mlp"]
-CASES = {  # name: (plan, schedule, cuts)
-    "tp-1f1b": ("tp", "1f1b", TWO),
-    "tp-zbv": ("tp", "zbv", FOUR),
-    "sp-1f1b": ("sp", "1f1b", TWO),
-    "sp-zb-h1": ("sp", "zb-h1", TWO),
+CASES = {  # name: (plan, schedule, cuts, the loss's reduction)
+    "tp-1f1b": ("tp", "1f1b", TWO, "mean"),
+    "tp-zbv": ("tp", "zbv", FOUR, "mean"),
+    "tp-sum": ("tp", "1f1b", TWO, "sum"),
+    "sp-1f1b": ("sp", "1f1b", TWO, "mean"),
+    "sp-zb-h1": ("sp", "zb-h1", TWO, "mean"),
 }
 ON_8_RANKS = ("tp-1f1b", "sp-zb-h1")  # the 8-rank launch runs these (the suite's time)
 ADAMW = ("tp-1f1b", "sp-1f1b")
@@ -143,9 +145,9 @@ def my_slice(mesh: Any, t: torch.Tensor) -> torch.Tensor:
     return t.chunk(mesh.size(names.index("dp")))[mesh.get_local_rank("dp")] if "dp" in names else t
 
 
-def loss_of(fn: Any) -> Any:
+def loss_of(fn: Any, reduction: str = "mean") -> Any:
     def loss(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(fn(params, x).flatten(0, 1), y.flatten())
+        return F.cross_entropy(fn(params, x).flatten(0, 1), y.flatten(), reduction=reduction)
 
     return loss
 
@@ -155,15 +157,20 @@ def whole(t: torch.Tensor) -> torch.Tensor:
 
 
 def run_case(name: str, mesh: Any) -> dict[str, Any]:
-    plan, schedule, cuts = CASES[name]
+    plan, schedule, cuts, reduction = CASES[name]
     model = built(plan, mesh)
     fn, params = fpipe.functionalize(model)
     rfn, rparams = fpipe.functionalize(reference())
     x, y = data()
-    ref_g, ref_v = torch.func.grad_and_value(loss_of(rfn))(rparams, x, y)
-    piped = fpipe.pipeline(loss_of(fn), mesh=mesh, microbatches=M, schedule=schedule, cuts=cuts)
-    v, g = fpipe.value_and_grad(piped)(params, my_slice(mesh, x), my_slice(mesh, y))
+    ref_g, ref_v = torch.func.grad_and_value(loss_of(rfn, reduction))(rparams, x, y)
+    piped = fpipe.pipeline(loss_of(fn, reduction), mesh=mesh, microbatches=M, schedule=schedule, cuts=cuts)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        v, g = fpipe.value_and_grad(piped)(params, my_slice(mesh, x), my_slice(mesh, y))
+    forward = piped(params, my_slice(mesh, x), my_slice(mesh, y))  # a plain call: the loss alone
     rec: dict[str, Any] = {
+        "warned_reduction": any("cannot read how output" in str(w.message) for w in caught),
+        "forward_err": abs(float(forward) - float(ref_v)),
         "loss_err": abs(float(v) - float(ref_v)),
         "keys": sorted(g),
         "grad_err": {k: float((whole(t) - ref_g[k]).abs().max()) for k, t in g.items()},
@@ -359,6 +366,22 @@ def tp_rank_fails_mid_step(mesh: Any) -> dict[str, Any]:
     return {"error_text": msg, "seconds": time.monotonic() - start}
 
 
+def tp_of_one(_mesh: Any) -> dict[str, Any]:
+    """A ("pp", "tp") mesh of 4 x 1: parallelize_module on a tp dimension of size 1 (generic
+    code run without tensor parallelism) gives the unsplit model's loss and gradients."""
+    mesh = init_device_mesh("cpu", (4, 1), mesh_dim_names=("pp", "tp"))
+    fn, params = fpipe.functionalize(built("tp", mesh))
+    rfn, rparams = fpipe.functionalize(reference())
+    ref_g, ref_v = torch.func.grad_and_value(loss_of(rfn))(rparams, *data())
+    piped = fpipe.pipeline(loss_of(fn), mesh=mesh, microbatches=M, cuts=FOUR)
+    v, g = fpipe.value_and_grad(piped)(params, *data())
+    return {
+        "loss_err": abs(float(v) - float(ref_v)),
+        "grad_err": max(float((whole(t) - ref_g[k]).abs().max()) for k, t in g.items()),
+        "dtensor_grads": sum(isinstance(t, DTensor) for t in g.values()),
+    }
+
+
 def record(name: str, fn: Any, *args: Any) -> Any:
     try:
         return fn(*args)
@@ -387,6 +410,7 @@ def main() -> None:
         rec["sharded_tensor"] = record("sharded_tensor", sharded_tensor, mesh)
         rec["auto_partition"] = record("auto_partition", auto_partition, mesh)
         rec["dtensor_data"] = record("dtensor_data", dtensor_data, mesh)
+        rec["tp_of_one"] = record("tp_of_one", tp_of_one, mesh)
         rec["failure"] = record("failure", tp_rank_fails_mid_step, mesh)  # last: it leaves work pending
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(rec, f)

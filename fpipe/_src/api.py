@@ -59,7 +59,8 @@ class Pipelined:
 
     @functools.cached_property
     def _compiler(self) -> Compiler:
-        return Compiler(self.cfg, self.pg, self.dp, self._groups.dp_mesh, self._groups.tp)
+        g = self._groups
+        return Compiler(self.cfg, self.pg, self.dp, g.dp_mesh, g.tp, g.tp_mesh)
 
     @property
     def _cache(self) -> dict[Any, Compiled]:  # the compiled plans, by input signature

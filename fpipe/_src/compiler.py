@@ -75,8 +75,10 @@ class Compiler:
         dp: PPGroup | None = None,
         dp_mesh: Any = None,
         tp: PPGroup | None = None,
+        tp_mesh: Any = None,
     ) -> None:
         self.cfg, self.pg, self.dp, self.dp_mesh, self.tp = cfg, pg, dp, dp_mesh, tp
+        self.tp_mesh = tp_mesh  # mesh["tp"], also at size 1 (then `tp` is None)
         self.cache: dict[Key, Compiled] = {}
         # see _measured_costs; `fpipe.plan` hands its measurements in, so its cuts are reproduced
         self._measured: dict[Key, list[float]] = cfg.costs if cfg.costs is not None else {}
@@ -90,8 +92,8 @@ class Compiler:
         if self.pg is not None:
             shapes = [tuple(t.shape) for t in inp.data_leaves]
             check_same_signature(self.cfg.call, self.pg, key, shapes, self.cfg.timeout)
-        if self.tp is not None and inp.tp:  # the tp ranks' shards may differ in shape (uneven)
-            tp_key = (key[0][:1] + key[0][2:], grad_of, has_aux)
+        if self.tp is not None:  # the tp ranks' shards may differ in shape (uneven)
+            tp_key = (key[0][:1] + key[0][2:], grad_of, has_aux, bool(inp.tp))
             shapes = [tuple(t.shape) for t in inp.data_leaves]
             check_same_signature(self.cfg.call, self.tp, tp_key, shapes, self.cfg.timeout, "tensor-parallel")
         if self.dp is not None:
@@ -118,7 +120,7 @@ class Compiler:
         f, rebuild = self._function(inp)
         fwd = trace_forward(cfg.call, f, rebuild, wanting, len(inp.param_leaves), device, cfg.cuts)
         if inp.tp:
-            fwd.gm = rewrite(cfg.call, fwd.gm, self._tp_name())
+            fwd.gm = rewrite(cfg.call, fwd.gm, self._tp_name(), self.tp is None)
         stage_costs = self._cut(fwd, [*inp.param_leaves, *mb0], device, bool(inp.tp))
         reductions = self._reductions(fwd, inp)
         diff: list[int] = []
@@ -131,7 +133,7 @@ class Compiler:
                 ct = torch.empty((), dtype=_cotangent_dtype(fwd), device=device)
             if inp.tp:
                 joint = trace_joint_tp(cfg.call, f, rebuild, fwd, [*fakes, ct], diff, cfg.cuts)
-                joint.gm = rewrite(cfg.call, joint.gm, self._tp_name())
+                joint.gm = rewrite(cfg.call, joint.gm, self._tp_name(), self.tp is None)
             else:
                 joint = trace_joint(cfg.call, fwd, [*fakes, *const_fakes, ct], diff, has_aux)
         staged, sched = self._stage(joint)
@@ -151,7 +153,7 @@ class Compiler:
         return plain_outputs(self.cfg.f), wrapping(inputs_.rebuilder(inp), inp.tp)
 
     def _tp_name(self) -> str | None:
-        return self.tp.group.group_name if self.tp is not None else None
+        return self.tp_mesh.get_group().group_name if self.tp_mesh is not None else None
 
     def _stage(self, joint: Joint) -> tuple[Staged, Schedule]:
         """Split the joint graph, schedule its stages, split backwards where the schedule asks."""
@@ -258,6 +260,15 @@ class Compiler:
         if kind == "divided":  # a count (a mean) or a constant (a sum)? trace at twice the batch
             again = self._trace_at_twice_the_batch(inp)
             kind = "mean" if again is None else batch_reduction(again.gm, axes, i)
+        if kind is None and inp.tp and (m > 1 or self.dp is not None):
+            warnings.warn(
+                f"{self.cfg.call}: fpipe cannot read how output {i} reduces the batch through the "
+                "tensor-parallel collectives (a gather or scatter on the batch's path, as "
+                "sequence parallelism has), so it averages the microbatch values. If the output "
+                "is a sum over the batch, pass out_axes='sum'; pass out_axes='mean' to confirm a "
+                "mean (and silence this).",
+                stacklevel=10,
+            )
         if kind == "mixed":
             warnings.warn(
                 f"{self.cfg.call}: output {i} adds a sum over the batch to a term that is not "

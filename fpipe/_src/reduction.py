@@ -6,7 +6,8 @@ that reproduces the unsplit function depends on how the function reduces its bat
 the batch (`F.cross_entropy`, `x.mean()`) is the mean of the microbatch means; a sum
 (`x.sum()`, `reduction="sum"`) is their sum. `batch_reduction` reads that off the traced forward
 graph by following where the batch lives in each value (the split axis of each data input, through
-views, transposes, pointwise ops and matrix products) to the operation that reduces it:
+views, transposes, pointwise ops, matrix products, attention, splits and concatenations, masked
+writes, and tensor-parallel collectives) to the operation that reduces it:
 
 * "mean" / "sum": the batch is reduced by that kind of reduction, and every later operation is
   linear in the result (adding a term that does not depend on the batch keeps a mean a mean);
@@ -29,6 +30,7 @@ import torch
 import torch.fx as fx
 
 from .marker import BOUNDARY, BOUNDARY_BWD
+from .tp_collectives import tp_all_gather, tp_all_reduce, tp_broadcast, tp_reduce_scatter
 
 __all__ = ["batch_reduction"]
 
@@ -69,7 +71,17 @@ _LOSS_REDUCTION_ARG = {  # loss op -> position of its `reduction` argument (0 no
 _SAME = {  # ops whose first output keeps the batch where its first input has it
     aten.clone.default, aten.detach.default, aten.alias.default, aten._to_copy.default,
     aten.native_dropout.default, aten.lift_fresh_copy.default, aten.contiguous.default,
+    # tensor parallel: a sum of the tp ranks' partial values (or one rank's) keeps the batch where
+    # it was, and a reduced value reduced (tp_collectives.py; gathers: `_gathered`)
+    tp_all_reduce, tp_broadcast,
 }  # fmt: skip
+_SPLITS = {aten.split.Tensor, aten.split_with_sizes.default}
+_ATTENTION = {  # (batch, heads, seq, d) in: the batch stays in dim 0 of the output (and of item 0)
+    aten.scaled_dot_product_attention.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_flash_attention.default,
+}
 _SUMS = {
     aten.sum.default: "sum",
     aten.sum.dim_IntList: "sum",
@@ -105,6 +117,51 @@ def _reshaped(b: _Batch, old: Sequence[int], new: Sequence[int]) -> Any:
         if after % below == 0 and after * b.size <= below * new[j]:
             return _Batch(j, after // below, b.size)
     return _UNKNOWN
+
+
+# Tensor parallelism moves the batch through DTensor's collectives along dim 0: an all-gather
+# stacks the tp ranks' tensors in dim 0, split back into pieces and concatenated along the
+# sharded dim; a reduce-scatter keeps one of the tp chunks of dim 0. Each tp rank's tensor has the
+# same batch layout, so the batch stays where it was, with the ranks as an outer factor of dim 0;
+# a piece or chunk keeps it when it holds the batch factor whole.
+
+
+def _gathered(node: fx.Node, states: list[Any]) -> Any:
+    """tp_all_gather / tp_reduce_scatter / cat of tensors with one batch layout: the same."""
+    live = [x for x in states if x is not None]
+    if not live or any(x != live[0] for x in live) or not isinstance(live[0], _Batch):
+        return _UNKNOWN
+    b = live[0]
+    if node.target is tp_reduce_scatter and b.dim == 0:
+        rows = (_shape(node) or (0,))[0]
+        return b if rows % (b.inner * b.size) == 0 else _UNKNOWN
+    if node.target is aten.cat.default and len(live) < len(states):
+        return _UNKNOWN  # a piece with no batch beside pieces with one
+    return b
+
+
+def _masked_write(node: fx.Node, states: list[Any]) -> bool:
+    x, indices = _args(node)[:2]
+    masks = [m.meta.get("val") for m in indices if isinstance(m, fx.Node)]
+    bools = len(masks) == len(indices) == 1 and getattr(masks[0], "dtype", None) is torch.bool
+    lead = _shape(indices[0]) if bools else None  # a mask over x's leading dims
+    same = lead is not None and (_shape(x) or ())[: len(lead)] == lead
+    return bool(same and states[-1] is None and len(set(states[:-1])) == 1)
+
+
+def _split_dim(node: fx.Node) -> int:
+    args = _args(node)
+    return int(args[2]) if len(args) > 2 else int(node.kwargs.get("dim", 0))  # type: ignore[arg-type]
+
+
+def _piece(b: _Batch, whole: Any, piece: Any, dim: int) -> Any:
+    """A piece of a split: the batch where it was if the split leaves its factor whole."""
+    if whole is None or piece is None:
+        return _UNKNOWN
+    dim = dim % len(whole)
+    if dim != b.dim:
+        return b
+    return b if piece[dim] % (b.inner * b.size) == 0 else _UNKNOWN
 
 
 def _combine(states: list[Any], op: Any) -> Any:
@@ -156,6 +213,8 @@ class _Analysis:
         if isinstance(parent, fx.Node) and parent.target in (BOUNDARY, BOUNDARY_BWD):
             return self.of(parent.args[0][i])  # type: ignore[index]
         s = self.of(parent)
+        if isinstance(parent, fx.Node) and parent.target in _SPLITS and isinstance(s, _Batch):
+            return _piece(s, _shape(parent.args[0]), _shape(node), _split_dim(parent))
         if isinstance(s, _Batch) and i != 0:  # a dropout mask, a norm's statistics: not followed
             return _UNKNOWN
         return s
@@ -201,6 +260,16 @@ class _Analysis:
 
     def _structural(self, node: fx.Node, states: list[Any]) -> Any:
         t, args = _target(node), _args(node)
+        if t in (tp_all_gather, tp_reduce_scatter, aten.cat.default):
+            return _gathered(node, [self.of(a) for a in node.all_input_nodes])
+        if t in _SPLITS:  # the pieces: `_getitem` / `_piece`
+            return self.of(args[0]) if isinstance(self.of(args[0]), _Batch) else _UNKNOWN
+        if t is aten.index_put.default and _masked_write(node, states):
+            return states[0]  # `x[mask] = v`, a boolean mask of x's layout: pointwise
+        if t in _ATTENTION:  # each example attends within itself: q, k, v share the batch in dim 0
+            live = {x for x in states if x is not None}
+            b = live.pop() if len(live) == 1 else None
+            return b if isinstance(b, _Batch) and b.dim == 0 else _UNKNOWN
         if t is aten.embedding.default:  # the weight holds no batch; the indices' batch stays put
             return self.of(args[1]) if states[0] is None else _UNKNOWN
         if t is aten.index.Tensor and self.of(args[0]) is None and len(args[1]) == 1:  # type: ignore[arg-type]

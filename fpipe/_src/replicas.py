@@ -48,6 +48,7 @@ class Groups:
     dp_mesh: Any = None  # the mesh's "dp" sub-mesh, where sharded parameters live
     tp: PPGroup | None = None
     tp_mesh: Any = None  # the mesh's "tp" sub-mesh, where tensor-parallel parameters live
+    timeout: float = 0.0
 
     def each(self) -> list[PPGroup]:
         return [g for g in (self.pp, self.dp, self.tp) if g is not None]
@@ -59,6 +60,8 @@ class Groups:
     def begin_call(self) -> None:
         for g in self.each():
             g.begin_call()
+        if self.tp is not None:  # the tp group this call's programs run their collectives on
+            activate(self.tp, self.timeout)
 
     def report_failure(self, err: BaseException) -> None:
         for g in self.each():
@@ -88,9 +91,8 @@ def mesh_groups(mesh: Any, timeout: float) -> Groups:
     _check_covers_the_world(mesh, names)
     dp = group_of(mesh.get_group("dp")) if "dp" in names else None
     tp = group_of(mesh.get_group("tp")) if "tp" in names else None
-    if tp is not None:
-        activate(tp, timeout)
-    return Groups(pp_group(mesh, timeout), dp, mesh["dp"] if dp else None, tp, mesh["tp"] if tp else None)
+    tp_mesh = mesh["tp"] if "tp" in names else None  # at size 1 too: its DTensors are tp ones
+    return Groups(pp_group(mesh, timeout), dp, mesh["dp"] if dp else None, tp, tp_mesh, timeout)
 
 
 def _check_covers_the_world(mesh: Any, names: tuple[str, ...]) -> None:

@@ -45,14 +45,9 @@ _OPS = {
 
 
 def activate(group: PPGroup, timeout: float) -> None:
-    """Make `group` the "tp" group the programs' collectives run on (one per process)."""
-    old = _ACTIVE.get("tp")
-    if old is not None and old[0].group is not group.group:
-        raise ValueError(
-            "fpipe: two pipelines in one process use different tensor-parallel groups; the stage "
-            "programs' collectives run on one 'tp' group per process. Build every pipeline on "
-            "the same mesh['tp']."
-        )
+    """Make `group` the "tp" group the programs' collectives run on: set by each call of a
+    pipeline before it runs (a call holds its pipeline's lock; its failure reports and timeout
+    are that pipeline's)."""
     _ACTIVE["tp"] = (group, timeout)
 
 
@@ -127,13 +122,19 @@ TP_OPS: dict[Any, tuple[Any, int]] = {
 _FPIPE_OPS = {op for op, _ in TP_OPS.values()}
 
 
+def _alone(x: torch.Tensor, *_args: Any) -> torch.Tensor:
+    """Any of the collectives over a tp dimension of size 1: the value itself."""
+    return x.clone()
+
+
 def uses_collectives(gm: fx.GraphModule) -> bool:
     return any(n.op == "call_function" and n.target in _FPIPE_OPS for n in gm.graph.nodes)
 
 
-def rewrite(call: str, gm: fx.GraphModule, tp_group_name: str | None) -> fx.GraphModule:
-    """Each functional collective on the tp group -> fpipe's collective; its waits -> nothing
-    (NOTE [collectives in stage programs]). A collective on another group is refused."""
+def rewrite(call: str, gm: fx.GraphModule, tp_group_name: str | None, alone: bool = False) -> fx.GraphModule:
+    """Each functional collective on the tp group -> fpipe's collective (`alone`: a tp dimension
+    of size 1, the value itself); its waits -> nothing (NOTE [collectives in stage programs]).
+    A collective on another group is refused."""
     for node in list(gm.graph.nodes):
         if node.op != "call_function":
             continue
@@ -157,7 +158,7 @@ def rewrite(call: str, gm: fx.GraphModule, tp_group_name: str | None) -> fx.Grap
                 f"({tp_group_name!r}); inside a pipelined function, DTensors must live on "
                 "mesh['tp'] (collectives on other groups would not be ordered with the stages)."
             )
-        node.target = fn
+        node.target = _alone if alone else fn
         node.args = (*node.args[:at], "tp", *node.args[at + 1 :])
     gm.graph.lint()
     gm.recompile()

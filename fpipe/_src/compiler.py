@@ -89,12 +89,11 @@ class Compiler:
         """The plan for these inputs, compiled at the first call of their signature."""
         check_sharded(self.cfg.call, self.dp_mesh, inp.param_leaves, inputs_.param_keys(inp))
         key = (inp.key(inputs_.device_of(self.pg, inp).type), grad_of, has_aux)
+        shapes = [tuple(t.shape) for t in inp.data_leaves]
         if self.pg is not None:
-            shapes = [tuple(t.shape) for t in inp.data_leaves]
             check_same_signature(self.cfg.call, self.pg, key, shapes, self.cfg.timeout)
         if self.tp is not None:  # the tp ranks' shards may differ in shape (uneven)
             tp_key = (key[0][:1] + key[0][2:], grad_of, has_aux, bool(inp.tp))
-            shapes = [tuple(t.shape) for t in inp.data_leaves]
             check_same_signature(self.cfg.call, self.tp, tp_key, shapes, self.cfg.timeout, "tensor-parallel")
         if self.dp is not None:
             names = inputs_.leaf_names(self.cfg.f, inp.data_spec, inp.is_tensor)

@@ -23,6 +23,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from . import tree
+from .dtensors import like, local
 
 __all__ = ["stage_boundary", "BOUNDARY", "BOUNDARY_BWD"]
 
@@ -96,18 +97,9 @@ def boundary_apply(xs: list[torch.Tensor]) -> list[torch.Tensor]:
     shard (NOTE [tensor-parallel tracing] in tp.py)."""
     if not any(isinstance(x, DTensor) for x in xs):
         return list(_Boundary.apply(*xs))
-    marked = _Boundary.apply(*(x.to_local() if isinstance(x, DTensor) else x for x in xs))
-    return [_like(x, m) for x, m in zip(xs, marked)]
-
-
-def _like(x: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """`local` as a DTensor laid out like `x` (`local` itself if `x` is a plain tensor). A
-    Partial value stays partial; its gradient comes back replicated (DTensor's rule)."""
-    if not isinstance(x, DTensor):
-        return local
-    return DTensor.from_local(
-        local, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride()
-    )
+    # a Partial value stays partial; its gradient comes back replicated (DTensor's rule)
+    marked = _Boundary.apply(*(local(x) for x in xs))
+    return [like(m, x) for x, m in zip(xs, marked)]
 
 
 def boundary_bwd_apply(gs: list[torch.Tensor]) -> list[torch.Tensor]:

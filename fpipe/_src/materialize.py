@@ -20,6 +20,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from .compiler import Compiled
 from .dist import PPGroup
+from .dtensors import like, local
 from .outputs import local_inputs
 
 __all__ = ["materialize_module", "materialize_plan"]
@@ -86,7 +87,7 @@ def materialize_module(
         old = getattr(holders[0][0], holders[0][1])
         if not old.is_meta:
             continue
-        new = _empty_like(old, device)
+        new = like(torch.empty_like(local(old), device=device), old)  # a DTensor: its shard only
         new = nn.Parameter(new, requires_grad=old.requires_grad) if holders[0][2] else new
         for sub, attr, _ in holders:
             setattr(sub, attr, new)
@@ -107,7 +108,7 @@ def _initialise(
         with torch.no_grad():
             for name, t in full.items():
                 if any(t is r for r in replaced.values()) and name in state_dict:
-                    _local(t).copy_(_piece(state_dict[name], t))
+                    local(t).copy_(_piece(state_dict[name], t))
         return
     names = {id(sub): name for name, sub in module.named_modules()}
     subs = {id(sub): sub for key in replaced for sub, _, _ in owners[key]}
@@ -161,20 +162,6 @@ def _init_one(sub: nn.Module, init: Callable[[nn.Module], None] | None, has_para
             "uninitialised. Pass init=..., state_dict=..., or give it reset_parameters().",
             stacklevel=4,
         )
-
-
-def _empty_like(old: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """An uninitialised `old` on `device`; a DTensor (tensor parallel) allocates its shard only."""
-    if not isinstance(old, DTensor):
-        return torch.empty_like(old, device=device)
-    local = torch.empty_like(old.to_local(), device=device)
-    return DTensor.from_local(
-        local, old.device_mesh, old.placements, run_check=False, shape=old.shape, stride=old.stride()
-    )
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _piece(full: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

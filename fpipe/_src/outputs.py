@@ -21,10 +21,11 @@ from . import inputs as inputs_
 from . import tree
 from .compiler import Compiled
 from .dist import PPGroup
+from .dtensors import like, local
 from .inputs import Inputs
 from .replicas import reduce_values
 from .run import Results
-from .sharding import broadcast_shard, like_param
+from .sharding import broadcast_shard
 
 
 def values(
@@ -168,13 +169,10 @@ def _sum_over_ranks(pg: PPGroup, g: Any, param: torch.Tensor, timeout: float) ->
     the pipeline group per step (a rank holding none adds zeros). A sharded one (a DTensor
     reduce-scattered over dp already) sums its shards: every rank at one dp position holds the
     same shard."""
-    like = param.to_local() if isinstance(param, DTensor) else param
-    local = g.to_local() if isinstance(g, DTensor) else g
-    local = (
-        torch.zeros(like.shape, dtype=like.dtype, device=pg.device) if local is None else local.contiguous()
-    )
-    pg.all_reduce(local, timeout, "summing a gradient's contributions over pipeline ranks")
-    return like_param(local, param) if isinstance(param, DTensor) else local
+    mine = local(param)
+    part = torch.zeros(mine.shape, dtype=mine.dtype, device=pg.device) if g is None else local(g).contiguous()
+    pg.all_reduce(part, timeout, "summing a gradient's contributions over pipeline ranks")
+    return like(part, param)
 
 
 def _rebuild_grad_tree(inp: Inputs, num: int, grads: list[torch.Tensor | None]) -> Any:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from .dist import PPGroup
+from .dtensors import like, local
 from .run import action_place
 from .schedule_data import Action
 
@@ -61,7 +62,7 @@ def check_sharded(call: str, dp_mesh: Any, params: list[torch.Tensor], keys: lis
 def local_leaves(params: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each parameter as this rank holds it: a sharded one as its shard (`Gatherer` puts the
     whole tensor in its place while this rank's programs read it)."""
-    return [p.to_local() if isinstance(p, DTensor) else p for p in params]
+    return [local(p) for p in params]
 
 
 # -- the padded flat layout ------------------------------------------------------------------------
@@ -126,10 +127,10 @@ def launch_reduce_scatter(
 
 def unpack_scatter(out: torch.Tensor, params: list[DTensor]) -> list[DTensor]:
     """This rank's gradient shards, as DTensors placed like `params`."""
-    shards = []
+    shards: list[DTensor] = []
     for p, (off, n) in zip(params, _segments(params)):
         local = out[off : off + n].view(_rows(p), *p.shape[1:])[: p.to_local().shape[0]]
-        shards.append(like_param(local, p))
+        shards.append(like(local, p))  # type: ignore[arg-type]
     return shards
 
 
@@ -209,12 +210,4 @@ def broadcast_shard(pg: PPGroup, g: Any, param: DTensor, src: int, timeout: floa
     shard = param.to_local()
     local = g.to_local().contiguous() if g is not None else torch.empty_like(shard)
     pg.broadcast(local, src, timeout, f"receiving a sharded gradient from rank {src}")
-    return like_param(local, param)
-
-
-def like_param(local: torch.Tensor, param: DTensor) -> DTensor:
-    """`local` as this rank's shard of a tensor placed like `param` (its global shape given:
-    `from_local` alone would take dp x the local rows, wrong when dp does not divide dim 0)."""
-    return DTensor.from_local(
-        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
-    )
+    return like(local, param)  # type: ignore[return-value]

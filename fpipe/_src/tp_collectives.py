@@ -31,7 +31,7 @@ import torch.fx as fx
 
 from .dist import PPGroup
 
-__all__ = ["TP_OPS", "activate", "rewrite", "uses_collectives"]
+__all__ = ["TP_OPS", "activate", "rewrite"]
 
 _C10D = torch.ops._c10d_functional
 _WAIT = _C10D.wait_tensor.default
@@ -119,16 +119,11 @@ TP_OPS: dict[Any, tuple[Any, int]] = {
     _C10D.all_to_all_single.default: (tp_all_to_all, 3),
     _C10D.broadcast.default: (tp_broadcast, 2),
 }
-_FPIPE_OPS = {op for op, _ in TP_OPS.values()}
 
 
 def _alone(x: torch.Tensor, *_args: Any) -> torch.Tensor:
     """Any of the collectives over a tp dimension of size 1: the value itself."""
     return x.clone()
-
-
-def uses_collectives(gm: fx.GraphModule) -> bool:
-    return any(n.op == "call_function" and n.target in _FPIPE_OPS for n in gm.graph.nodes)
 
 
 def rewrite(call: str, gm: fx.GraphModule, tp_group_name: str | None, alone: bool = False) -> fx.GraphModule:

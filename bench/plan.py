@@ -97,6 +97,7 @@ def replica(c: fpipe.Plan, x: torch.Tensor) -> torch.Tensor:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--top", type=int, default=4, help="candidates to measure")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved cuts / equal-layers timings")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     torch.manual_seed(0)
@@ -117,23 +118,23 @@ def main() -> None:
                   f"measured {t * 1e3:7.1f} ms  error {err:+.0%}", flush=True)  # fmt: skip
     best = min(rows, key=lambda r: r[1])
     pick = next(c for c in plan.candidates if c.pp > 1)  # the best pipelined layout, for the cut test
-    measured_pick = dict((c.layout, t) for c, t in rows).get(pick.layout)
     mesh = pick.settings({}).get("mesh")  # the plan's mesh (None: all ranks one pipeline)
+    cut = fpipe.pipeline(loss, plan=pick)
     eq = fpipe.pipeline(
         equal_layers(pick.stages), microbatches=pick.microbatches, schedule=pick.schedule, mesh=mesh
     )
-    t_eq = timed(eq, params, replica(pick, tokens), replica(pick, targets))
-    if measured_pick is None:
-        measured_pick = timed(
-            fpipe.pipeline(loss, plan=pick), params, replica(pick, tokens), replica(pick, targets)
-        )
+    mine = (params, replica(pick, tokens), replica(pick, targets))
+    pairs = [(timed(cut, *mine), timed(eq, *mine)) for _ in range(args.rounds)]  # A B A B ...
     if rank == 0:
         print(f"\nplanner's pick: {plan.layout} measured {rows[0][1] * 1e3:.1f} ms; measured best of "
               f"the top {len(rows)}: {best[0].layout} {best[1] * 1e3:.1f} ms "
               f"(pick is {rows[0][1] / best[1] - 1:+.0%} off the best)")  # fmt: skip
-        print(f"{pick.layout}: measured cuts {pick.cuts} {measured_pick * 1e3:.1f} ms; equal layers "
-              f"({L // pick.stages} blocks per stage) {t_eq * 1e3:.1f} ms "
-              f"(measured cuts {t_eq / measured_pick:.2f}x faster)")  # fmt: skip
+        ratios = sorted(e / c for c, e in pairs)
+        print(f"{pick.layout}: measured cuts {pick.cuts} vs equal layers ({L // pick.stages} blocks "
+              f"per stage), {args.rounds} interleaved rounds: cuts "
+              f"{statistics.median(c for c, _ in pairs) * 1e3:.1f} ms, equal layers "
+              f"{statistics.median(e for _, e in pairs) * 1e3:.1f} ms; equal / cuts per round "
+              f"{' '.join(f'{r:.2f}' for r in ratios)} (median {statistics.median(ratios):.2f}x)")  # fmt: skip
     dist.barrier()
     dist.destroy_process_group()
 

@@ -102,6 +102,9 @@ def test_plan_pipeline_has_the_plans_cuts_and_gradients(planned: fpipe.Plan, inp
     torch.testing.assert_close(grads, want_grads)
     assert piped.cfg.microbatches == c.microbatches and piped.cfg.schedule == c.schedule
     assert len(piped.local_stages) == c.stages and _cuts(piped._last) == c.cuts
+    # each cut is named by the first parameter its stage reads (or its first op, reading none)
+    assert len(c.cuts) == c.stages - 1 and all(k in params or k.startswith("op ") for k in c.cuts)
+    assert any(k in params for k in c.cuts), c.cuts
 
 
 def test_measurements_are_cached_per_signature(planned: fpipe.Plan, inputs: tuple) -> None:

@@ -69,7 +69,7 @@ class Plan:
     microbatches: int
     schedule: str
     stages: int
-    cuts: tuple[str, ...]  # the first operation of each stage after the first
+    cuts: tuple[str, ...]  # where each stage after the first begins (plan.py: _cuts)
     predicted_step_s: float
     predicted_peak_bytes: int
     bubble: float  # the simulated idle fraction, averaged over the pp ranks
@@ -235,12 +235,16 @@ def _measure(
 
 
 def _cuts(c: Any) -> tuple[str, ...]:
-    """The first operation of each forward program after the first stage's."""
+    """Where each stage after the first begins, for people: the first parameter its forward reads
+    (`blocks.2.ln1.weight`: a cut near `pipeline(cuts=["blocks.2"])`), or for a stage that reads
+    none, its first operation (`op mm_16`). `pipeline(plan=p)` reproduces the cut exactly."""
+    keys = dict(zip(c.staged.param_inputs, c.param_keys or ()))
     out = []
     for s in range(1, c.staged.n_stages):
         prog = c.staged.programs.get(("F", s))
         nodes = [] if prog is None else [n for n in prog.gm.graph.nodes if n.op == "call_function"]
-        out.append(nodes[0].name if nodes else "?")
+        read = (str(keys[a.name]) for n in nodes for a in n.all_input_nodes if a.name in keys)
+        out.append(next(read, f"op {nodes[0].name}" if nodes else "?"))
     return tuple(out)
 
 

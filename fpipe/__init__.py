@@ -12,6 +12,7 @@ from ._src.checkpoint import async_save as async_save
 from ._src.checkpoint import save as save
 from ._src.checkpoint_load import load as load
 from ._src.functionalize import functionalize as functionalize
+from ._src.generate import generate as generate
 from ._src.marker import stage_boundary as stage_boundary
 from ._src.optim import clip_grad_norm_ as clip_grad_norm_
 from ._src.optim import set_grads as set_grads

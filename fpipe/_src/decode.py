@@ -1,0 +1,174 @@
+"""Stage programs for generation: a causal LM's forward with a `SlotCache`, traced and cut at
+decoder blocks, once per shape (prefill of a prompt length; decode of one token).
+
+# NOTE [stage-resident state]
+The traced step is `logits(params, ids, mask, positions, offset, kv)` -> the last position's
+logits, with every layer's K/V buffers and the position `offset` as *inputs* (NOTE [a cache
+whose position is data] in kv_cache.py). Cut at decoder blocks, each stage's program reads the
+K/V inputs of its own layers only and writes them in place (`inplace_cache_writes`); no program
+outputs them, so they never cross stages -- only the values the model hands from block to
+block do (the hidden state, plus what the model computes once at its top and every block reads:
+the mask, rotary cos/sin). The buffers themselves are allocated by the runner, on the rank that
+runs the stage, one set per microbatch (`Programs.cache_shapes`), and live across the calls of
+one generation: state owned by a stage, split by microbatch, never sent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+from .compiler import _forward_as_joint
+from .execute import current_consts
+from .functionalize import functionalize
+from .kv_cache import SlotCache, inplace_cache_writes
+from .split import split
+from .staged import Program, Staged
+from .trace import make_fakes, trace_forward
+
+__all__ = ["Programs", "Shapes", "trace_programs", "decoder_blocks", "cache_layout"]
+
+DATA = ("ids", "mask", "positions", "offset")  # the data inputs before the K/V buffers
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    """One traced signature: a microbatch of `rows` sequences, `q` new tokens per call (the
+    prompt length, or 1), buffers of `max_len` positions."""
+
+    rows: int
+    q: int
+    max_len: int
+
+
+@dataclasses.dataclass
+class Programs:
+    """The per-stage programs of one signature, and how to bind their inputs."""
+
+    staged: Staged
+    names: dict[str, str]  # data input ("ids", ..., "k3", "v3") -> placeholder name
+    params: dict[str, str]  # placeholder name -> parameter name
+    consts: dict[str, torch.Tensor]  # placeholder name -> captured tensor (module buffers read now)
+    logits: str  # the output value's name
+
+    def program(self, stage: int) -> Program:
+        return self.staged.programs["F", stage]
+
+    def layers_of(self, stage: int) -> list[int]:
+        """The decoder layers whose K/V buffers `stage`'s program reads."""
+        reads = set(self.program(stage).inputs)
+        return sorted({int(k[1:]) for k, n in self.names.items() if k[0] in "kv" and n in reads})
+
+
+def decoder_blocks(model: nn.Module) -> tuple[str, int]:
+    """The path and length of the model's list of decoder blocks (the longest ModuleList)."""
+    lists = [(p, len(m)) for p, m in model.named_modules() if isinstance(m, nn.ModuleList)]
+    n_layers = getattr(model.config, "num_hidden_layers", None)
+    lists = [(p, n) for p, n in lists if n == n_layers] or lists
+    if not lists:
+        raise ValueError(
+            f"fpipe.generate: {type(model).__name__} has no nn.ModuleList of decoder blocks to cut "
+            "stages at; generate supports transformers causal LMs whose blocks are a ModuleList."
+        )
+    return max(lists, key=lambda pn: pn[1])
+
+
+def stage_cuts(model: nn.Module, stages: int) -> list[str] | None:
+    """Module paths where stages 1..stages-1 begin: equal runs of decoder blocks."""
+    path, n = decoder_blocks(model)
+    if stages > n:
+        raise ValueError(
+            f"fpipe.generate(stages={stages}): {type(model).__name__} has {n} decoder blocks "
+            f"({path}); a stage needs at least one, so pass stages <= {n}."
+        )
+    if stages == 1:
+        return None
+    return [f"{path}.{(s * n) // stages}" for s in range(1, stages)]
+
+
+def cache_layout(model: nn.Module) -> tuple[int, int, int]:
+    """(layers, kv heads, head dim) of the model's attention, from its config."""
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return cfg.num_hidden_layers, kv_heads, head_dim
+
+
+def _forward_kwargs(model: nn.Module) -> dict[str, Any]:
+    """How this model's forward takes the cache (`cache`, or `past_key_values` before 5.x's
+    rename) and whether it computes the logits of the last position only."""
+    accepted = inspect.signature(model.forward).parameters
+    extra: dict[str, Any] = {"use_cache": True}
+    if "logits_to_keep" in accepted:
+        extra["logits_to_keep"] = 1  # as model.generate does: the same product, the same logits
+    return extra
+
+
+def _cache_kwarg(model: nn.Module) -> str:
+    accepted = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in accepted else "past_key_values"
+
+
+def trace_programs(model: nn.Module, shapes: Shapes, stages: int, device: torch.device) -> Programs:
+    """Trace the model's step at `shapes` (fake tensors: no memory), cut into `stages` stages
+    at decoder blocks, with each stage's cache writes in place (NOTE [stage-resident state])."""
+    call = f"fpipe.generate({type(model).__name__}, stages={stages})"
+    fn, params = functionalize(model)
+    names = list(params)
+    n_layers, kv_heads, head_dim = cache_layout(model)
+    extra, cache_kw = _forward_kwargs(model), _cache_kwarg(model)
+
+    def step(p: dict[str, torch.Tensor], ids: Any, mask: Any, positions: Any, offset: Any, *kv: Any) -> Any:
+        cache = SlotCache(list(zip(kv[0::2], kv[1::2])), offset)
+        out = fn(p, input_ids=ids, attention_mask=mask, position_ids=positions, **{cache_kw: cache}, **extra)
+        return out.logits[:, -1]
+
+    def rebuild(leaves: list[torch.Tensor]) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+        return dict(zip(names, leaves[: len(names)])), tuple(leaves[len(names) :]), {}
+
+    dtype = next(iter(params.values())).dtype
+    meta = _example(shapes, n_layers, kv_heads, head_dim, dtype)
+    _, fakes = make_fakes([*params.values(), *meta], device)
+    fwd = trace_forward(call, step, rebuild, fakes, len(names), device, stage_cuts(model, stages))
+    staged = split(call, _forward_as_joint(fwd), stages)
+    kv_names = [f"{kind}{i}" for i in range(n_layers) for kind in "kv"]
+    data = dict(zip([*DATA, *kv_names], staged.data_inputs))
+    written = sum(inplace_cache_writes(p.gm) for p in staged.programs.values())
+    if written != len(kv_names):
+        raise ValueError(
+            f"{call}: the model wrote {written} of its {len(kv_names)} key/value buffers through "
+            "the cache; fpipe.generate supports models whose every decoder layer calls "
+            "cache.update once per forward (full attention: no sliding-window, linear-attention "
+            "or cross-attention layers). Use model.generate for this model."
+        )
+    sources = current_consts(call, _Consts(fwd.consts, fwd.sources))
+    return Programs(
+        staged,
+        data,
+        dict(zip(staged.param_inputs, names)),
+        dict(zip(staged.const_inputs, sources)),
+        staged.out_names[0],
+    )
+
+
+@dataclasses.dataclass
+class _Consts:
+    """What `current_consts` reads: the traced captured tensors and where each one lives."""
+
+    consts: list[torch.Tensor]
+    const_sources: list[Any]
+
+
+def _example(shapes: Shapes, n_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Meta tensors of one microbatch's step inputs (traced as fakes on the data's device)."""
+    b, q, n = shapes.rows, shapes.q, shapes.max_len
+    meta = torch.device("meta")
+    ints = dict(dtype=torch.long, device=meta)
+    data = [torch.empty(b, q, **ints), torch.empty(b, n, **ints), torch.empty(b, q, **ints), torch.empty((), **ints)]
+    buf = torch.empty(b, kv_heads, n, head_dim, dtype=dtype, device=meta)
+    return [*data, *([buf] * (2 * n_layers))]

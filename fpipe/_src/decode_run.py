@@ -1,0 +1,203 @@
+"""Run the stage programs of a generation: prefill, then one token per step, microbatches in flight.
+
+# NOTE [the decode schedule]
+Step 0 is the prefill of each microbatch's prompt; step t >= 1 feeds microbatch i's token t-1.
+Every rank walks the same order, (step, microbatch) = (0, 0), (0, 1), ..., (0, m-1), (1, 0), ...,
+and at each one runs its stage: it takes the values its program reads from the stages that
+computed them, runs the program (which writes that microbatch's K/V in place), and sends on
+what later stages read. The last stage turns the logits into the token and sends it back to
+stage 0, which feeds it at the next step of the same microbatch. So with m microbatches in
+flight, stage s works on microbatch i while stage s+1 works on i-1, and stage 0 can start
+microbatch i's next token as soon as it comes back: with m >= stages no stage waits in the
+steady state (vLLM's rule: pp batches in flight fill the pipeline). In one process the stages
+run in order at each (step, microbatch). Every wait is failure-aware (`PPGroup.wait_all`): a
+rank that fails reports where, and every other rank stops naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .decode import Programs
+from .dist import PeerFailure, PPGroup, exit_hard_after_failure
+from .run_dist import send_reaper
+
+__all__ = ["Feed", "StageCaches", "run_local", "run_rank"]
+
+Select = Callable[[torch.Tensor, int, int], torch.Tensor]  # (logits, step, microbatch) -> tokens
+OnStep = Callable[[int, list[torch.Tensor]], bool]  # (step, its tokens per microbatch) -> stop?
+
+
+@dataclasses.dataclass
+class Feed:
+    """What every rank knows of each (step, microbatch): the data inputs but the tokens."""
+
+    prompt: torch.Tensor  # [batch, P]
+    mask: torch.Tensor  # [batch, max_len]: the prompt's mask, then ones
+    positions: torch.Tensor  # [batch, P]
+    microbatches: int
+    steps: int
+
+    @property
+    def rows(self) -> int:
+        return self.prompt.shape[0] // self.microbatches
+
+    def data(self, step: int, mb: int, tokens: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        rows = slice(mb * self.rows, (mb + 1) * self.rows)
+        p = self.prompt.shape[1]
+        if step == 0:
+            ids, pos, offset = self.prompt[rows], self.positions[rows], 0
+        else:
+            assert tokens is not None
+            ids, pos, offset = tokens, self.positions[rows, -1:] + step, p + step - 1
+        return {"ids": ids, "mask": self.mask[rows], "positions": pos, "offset": torch.tensor(offset)}
+
+
+class StageCaches:
+    """The K/V buffers of this rank's stages, one set per microbatch, allocated here only."""
+
+    def __init__(self, progs: Programs, stages: list[int], feed: Feed, layout: tuple[int, int, int], dtype: torch.dtype) -> None:
+        _, kv_heads, head_dim = layout
+        shape = (feed.rows, kv_heads, feed.mask.shape[1], head_dim)
+        self.layers = [i for s in stages for i in progs.layers_of(s)]
+        self.buffers = [
+            {f"{kind}{i}": torch.zeros(shape, dtype=dtype) for i in self.layers for kind in "kv"}
+            for _ in range(feed.microbatches)
+        ]
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for per_mb in self.buffers for t in per_mb.values())
+
+
+def run_stage(progs: Programs, stage: int, env: dict[str, torch.Tensor], params: dict[str, torch.Tensor]) -> None:
+    """Run `stage`'s program on the values in `env` (by data name or value name); add its outputs."""
+    prog = progs.program(stage)
+    by_name = {n: env[k] for k, n in progs.names.items() if k in env}
+    args = [
+        params[progs.params[n]] if n in progs.params else progs.consts[n] if n in progs.consts else by_name[n] if n in by_name else env[n]
+        for n in prog.inputs
+    ]
+    env.update(zip(prog.outputs, prog.gm(*args)))
+
+
+def run_local(
+    programs: Callable[[int], Programs], params: dict[str, torch.Tensor], feed: Feed, caches: StageCaches, select: Select, on_step: OnStep
+) -> list[list[torch.Tensor]]:
+    """Every stage in this process, in order at each (step, microbatch); `on_step` returning
+    True after a step ends the generation early (every sequence finished). Returns
+    tokens[step][mb]."""
+    tokens: list[list[torch.Tensor]] = []
+    for step in range(feed.steps):
+        progs = programs(step)
+        row = []
+        for mb in range(feed.microbatches):
+            env: dict[str, Any] = {**feed.data(step, mb, tokens[-1][mb] if step else None), **caches.buffers[mb]}
+            for stage in range(progs.staged.n_stages):
+                run_stage(progs, stage, env, params)
+            row.append(select(env[progs.logits], step, mb))
+        tokens.append(row)
+        if on_step(step, row):
+            break
+    return tokens
+
+
+def run_rank(
+    programs: Callable[[int], Programs], params: dict[str, torch.Tensor], feed: Feed, caches: StageCaches, select: Select, pg: PPGroup, timeout: float, on_step: OnStep
+) -> list[list[torch.Tensor]]:
+    """This rank's stage (stage = rank) over every (step, microbatch) (NOTE [the decode
+    schedule]). Rank 0 returns tokens[step][mb] (the last rank sends every token back to it),
+    the others an empty list; rank 0 calls `on_step` as each step's tokens are complete."""
+    rank = _Rank(pg, timeout, feed, on_step)
+    try:
+        return rank.run(programs, params, caches, select)
+    except (PeerFailure, TimeoutError):
+        raise
+    except Exception as err:
+        msg = f"{pg.me} failed at {rank.where}: {type(err).__name__}: {err}"
+        pg.report_failure(msg)
+        exit_hard_after_failure()
+        raise RuntimeError(f"fpipe {msg}") from err
+
+
+class _Rank:
+    """One rank's walk over (step, microbatch): receive, run its stage, send."""
+
+    def __init__(self, pg: PPGroup, timeout: float, feed: Feed, on_step: OnStep) -> None:
+        self.pg, self.timeout, self.feed, self.on_step = pg, timeout, feed, on_step
+        self.stage, self.last = pg.rank, pg.size - 1
+        self.reaper = send_reaper(pg, timeout)
+        self.reaper.timeout = timeout
+        self.where = "setup"
+
+    def run(self, programs: Callable[[int], Programs], params: dict[str, torch.Tensor], caches: StageCaches, select: Select) -> list[list[torch.Tensor]]:
+        feed, tokens = self.feed, []
+        for step in range(feed.steps):
+            progs = programs(step)
+            row = []
+            for mb in range(feed.microbatches):
+                self.where = f"step {step} (stage {self.stage}, microbatch {mb})"
+                fed = self._token(step - 1, mb) if self.stage == 0 and step else None
+                row.append(fed)
+                env: dict[str, Any] = {**feed.data(step, mb, fed), **caches.buffers[mb]}
+                env.update(self._receive(progs, step, mb))
+                run_stage(progs, self.stage, env, params)
+                self._send(progs, env, step, mb, select)
+            if self.stage == 0 and step:  # the tokens of the step before are all back
+                self.on_step(step - 1, row)
+            tokens.append(row)
+        if self.stage == 0:  # the last step's tokens, and every token shifted by one step
+            self.where = "the end (stage 0)"
+            last = [self._token(feed.steps - 1, mb) for mb in range(feed.microbatches)]
+            self.on_step(feed.steps - 1, last)
+            tokens = [*tokens[1:], last]
+        self.reaper.drain()
+        return tokens if self.stage == 0 else []
+
+    def _receive(self, progs: Programs, step: int, mb: int) -> dict[str, torch.Tensor]:
+        mine = set(progs.program(self.stage).inputs)
+        got: dict[str, torch.Tensor] = {}
+        for src in range(self.stage):
+            names = [n for n in progs.program(src).outputs if n in mine]
+            if names:
+                got.update(zip(names, self._recv(progs, names, src, f"stage {src}'s outputs for step {step}, microbatch {mb}")))
+        return got
+
+    def _recv(self, progs: Programs, names: list[str], src: int, what: str) -> list[torch.Tensor]:
+        bufs = [torch.empty(progs.staged.meta[n][0], dtype=progs.staged.meta[n][1]) for n in names]
+        return [_laid_out(progs, n, b) for n, b in zip(names, self._recv_raw(bufs, src, what))]
+
+    def _token(self, step: int, mb: int) -> torch.Tensor:
+        (tok,) = self._recv_raw([torch.empty(self.feed.rows, 1, dtype=torch.long)], self.last, f"the tokens of step {step}, microbatch {mb}")
+        return tok
+
+    def _recv_raw(self, bufs: list[torch.Tensor], src: int, what: str) -> list[torch.Tensor]:
+        works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, b, self.pg.global_rank(src), self.pg.group) for b in bufs])
+        self.pg.wait_all(works, self.timeout, functools.partial(str, f"at {self.where} receiving {what} from rank {src}"), src)
+        return bufs
+
+    def _send(self, progs: Programs, env: dict[str, Any], step: int, mb: int, select: Select) -> None:
+        prog = progs.program(self.stage)
+        for dst in range(self.stage + 1, self.last + 1):
+            names = [n for n in prog.outputs if n in set(progs.program(dst).inputs)]
+            if names:
+                self._isend([env[n].contiguous() for n in names], dst, f"step {step}, microbatch {mb}'s values")
+        if self.stage == self.last:
+            self._isend([select(env[progs.logits], step, mb)], 0, f"step {step}, microbatch {mb}'s tokens")
+
+    def _isend(self, tensors: list[torch.Tensor], dst: int, what: str) -> None:
+        ops = [dist.P2POp(dist.isend, t, self.pg.global_rank(dst), self.pg.group) for t in tensors]
+        self.reaper.submit(dist.batch_isend_irecv(ops), tensors, f"sending {what} to rank {dst}", dst)
+
+
+def _laid_out(progs: Programs, name: str, buf: torch.Tensor) -> torch.Tensor:
+    """A received (contiguous) value in the layout it was traced with, if that differs."""
+    stride = progs.staged.strides.get(name)
+    if stride is None:
+        return buf
+    return torch.empty_strided(buf.shape, stride, dtype=buf.dtype).copy_(buf)

@@ -1,0 +1,101 @@
+"""`fpipe.generate`'s refusals: what the cached pipeline cannot do the model's way is an error
+that names it and the fix, raised before anything is traced or sent."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .dist import PPGroup
+
+__all__ = ["check_call", "eos_and_pad", "stage_count"]
+
+# generation_config settings that add a logits processor fpipe.generate does not apply
+_PROCESSORS = {
+    "repetition_penalty": 1.0,
+    "no_repeat_ngram_size": 0,
+    "min_length": 0,
+    "min_new_tokens": None,
+    "bad_words_ids": None,
+    "forced_bos_token_id": None,
+    "forced_eos_token_id": None,
+    "suppress_tokens": None,
+    "begin_suppress_tokens": None,
+    "sequence_bias": None,
+    "num_beams": 1,
+}
+
+
+def check_call(
+    model: nn.Module,
+    ids: torch.Tensor,
+    mask: torch.Tensor | None,
+    new: int,
+    microbatches: int,
+    stages: int | None,
+    pg: PPGroup | None,
+) -> str:
+    """Refuse what `generate` cannot honour; return the call as errors quote it."""
+    call = f"fpipe.generate({type(model).__name__}, microbatches={microbatches}, stages={stages})"
+    _check_model(call, model)
+    if ids.dim() != 2 or ids.dtype != torch.long:
+        raise ValueError(f"{call}: input_ids must be a [batch, prompt] long tensor, not {ids.dtype} of shape {tuple(ids.shape)}.")
+    if mask is not None and mask.shape != ids.shape:
+        raise ValueError(f"{call}: attention_mask has shape {tuple(mask.shape)}, input_ids {tuple(ids.shape)}; pass one of the same shape.")
+    if not isinstance(new, int) or new < 1:
+        raise ValueError(f"{call}: max_new_tokens={new!r} must be a positive int.")
+    if ids.shape[0] % microbatches:
+        raise ValueError(
+            f"{call}: batch size {ids.shape[0]} is not divisible by microbatches={microbatches}; "
+            f"use a batch that is a multiple of {microbatches}, or a microbatch count that divides it."
+        )
+    return call
+
+
+def _check_model(call: str, model: nn.Module) -> None:
+    cfg = getattr(model, "config", None)
+    if cfg is None or not hasattr(model, "generation_config"):
+        raise TypeError(f"{call}: the model must be a transformers causal LM (a PreTrainedModel with a generation_config).")
+    if getattr(cfg, "is_encoder_decoder", False):
+        raise ValueError(f"{call}: encoder-decoder models are not supported (only decoder-only causal LMs); use model.generate.")
+    layer_types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
+    if layer_types != {"full_attention"}:
+        raise ValueError(
+            f"{call}: the model has {sorted(layer_types - {'full_attention'})} layers; fpipe.generate's "
+            "cache holds full-attention layers only (no sliding-window or linear-attention cache). "
+            "Use model.generate for this model."
+        )
+    if model.training:
+        raise ValueError(f"{call}: the model is in training mode (dropout would be active); call model.eval() first.")
+    gc = model.generation_config
+    set_ = [k for k, default in _PROCESSORS.items() if getattr(gc, k, default) not in (default, None, [], {})]
+    if set_:
+        raise ValueError(
+            f"{call}: the model's generation_config sets {set_}, which fpipe.generate does not "
+            "apply (it decodes greedily or samples with temperature/top_k/top_p only); set them to "
+            "their defaults, or use model.generate."
+        )
+
+
+def stage_count(call: str, model: nn.Module, stages: int | None, pg: PPGroup | None) -> int:
+    """One process: `stages` (default 1). A process group: one stage per rank."""
+    if pg is None:
+        return 1 if stages is None else stages
+    if stages is not None and stages != pg.size:
+        raise ValueError(
+            f"{call}: under torchrun generate runs one stage per rank, but stages={stages} and the "
+            f"pipeline has {pg.size} ranks; pass stages=None (or {pg.size})."
+        )
+    return pg.size
+
+
+def eos_and_pad(model: nn.Module, eos_token_id: Any) -> tuple[list[int], int | None]:
+    """The EOS ids (the argument, else the generation_config's) and the pad token a finished
+    sequence gets (generation_config.pad_token_id, else the first EOS id, as transformers does)."""
+    gc = model.generation_config
+    eos = gc.eos_token_id if eos_token_id is None else eos_token_id
+    ids = [] if eos is None else [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+    pad = gc.pad_token_id if gc.pad_token_id is not None else (ids[0] if ids else None)
+    return ids, pad

@@ -138,11 +138,12 @@ def trace_programs(model: nn.Module, shapes: Shapes, stages: int, device: torch.
     staged = split(call, _forward_as_joint(fwd), stages)
     kv_names = [f"{kind}{i}" for i in range(n_layers) for kind in "kv"]
     data = dict(zip([*DATA, *kv_names], staged.data_inputs))
-    written = sum(inplace_cache_writes(p.gm) for p in staged.programs.values())
-    if written != len(kv_names):
+    written = {n for p in staged.programs.values() for n in inplace_cache_writes(p.gm)}
+    missing = [k for k in kv_names if data[k] not in written]
+    if missing:
         raise ValueError(
-            f"{call}: the model wrote {written} of its {len(kv_names)} key/value buffers through "
-            "the cache; fpipe.generate supports models whose every decoder layer calls "
+            f"{call}: the model did not write the key/value buffers {missing} through the cache "
+            "once each; fpipe.generate supports models whose every decoder layer calls "
             "cache.update once per forward (full attention: no sliding-window, linear-attention "
             "or cross-attention layers). Use model.generate for this model."
         )

@@ -44,8 +44,10 @@ class SlotLayer(CacheLayerMixin):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         index = torch.arange(key_states.shape[-2], device=key_states.device) + self.offset
-        self.keys.index_copy_(2, index, key_states)
-        self.values.index_copy_(2, index, value_states)
+        # out of place, so the trace has no mutation to functionalize (a second trace's time);
+        # `inplace_cache_writes` makes each write in place on the program's own buffer
+        self.keys = torch.index_copy(self.keys, 2, index, key_states)
+        self.values = torch.index_copy(self.values, 2, index, value_states)
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -66,32 +68,25 @@ class SlotCache(Cache):
         super().__init__(layers=[SlotLayer(k, v, offset) for k, v in kv])
 
 
-def inplace_cache_writes(gm: fx.GraphModule) -> int:
-    """Turn `copy_(buf, index_copy(buf, d, i, x))` (how a functional trace records
-    `buf.index_copy_(d, i, x)` on an input) back into `buf.index_copy_(d, i, x)`: the buffer is
-    this program's own state, read nowhere else, so writing it in place saves a copy of the
-    whole cache per step. Returns how many writes were rewritten."""
-    rewritten = 0
-    copies = gm.graph.find_nodes(op="call_function", target=torch.ops.aten.copy_.default)
-    for copy in list(copies):
-        buf, new = copy.args[:2]
-        if not _is_write_of(buf, new, copy):
+def inplace_cache_writes(gm: fx.GraphModule) -> list[str]:
+    """Make each `index_copy(buf, d, i, x)` of an input `buf` that nothing else reads an
+    in-place `buf.index_copy_(d, i, x)`: the buffer is the program's own state (NOTE [a cache
+    whose position is data]), so the write lands in it and no step copies a whole cache.
+    (A write the trace recorded in place comes out of functionalisation as that op plus a
+    `copy_` back into `buf`; the `copy_` is then dropped.) Returns the buffers written."""
+    written = []
+    for node in list(gm.graph.find_nodes(op="call_function", target=torch.ops.aten.index_copy.default)):
+        buf = node.args[0]
+        if not isinstance(buf, fx.Node) or buf.op != "placeholder":
             continue
-        assert isinstance(new, fx.Node)
-        new.target = torch.ops.aten.index_copy_.default
-        copy.replace_all_uses_with(new)
-        gm.graph.erase_node(copy)
-        rewritten += 1
+        back = [u for u in buf.users if u.target is torch.ops.aten.copy_.default and u.args[1] is node]
+        if set(buf.users) != {node, *back}:
+            continue  # read elsewhere too: writing in place could change that reader's value
+        node.target = torch.ops.aten.index_copy_.default
+        for copy in back:
+            copy.replace_all_uses_with(node)
+            gm.graph.erase_node(copy)
+        written.append(buf.name)
     gm.graph.lint()
     gm.recompile()
-    return rewritten
-
-
-def _is_write_of(buf: Any, new: Any, copy: fx.Node) -> bool:
-    """Is `new` an `index_copy` of the input `buf` that nothing but the write back reads, and
-    `buf` read by nothing else (so writing in place cannot change another reader's value)?"""
-    if not (isinstance(buf, fx.Node) and isinstance(new, fx.Node) and buf.op == "placeholder"):
-        return False
-    if new.target is not torch.ops.aten.index_copy.default or new.args[0] is not buf:
-        return False
-    return set(buf.users) == {new, copy}
+    return written

@@ -328,7 +328,42 @@ def trace_forward(
     sources = [state.sources.get(id(c)) for c in consts]
     mode = detect_fake_mode(fakes) or FakeTensorMode(allow_non_fake_inputs=True)
     gm = functional(gm, [*fakes, *(fake_like(mode, c, device) for c in consts)])
+    _refuse_captured_writes(call, gm, len(fakes), consts, sources)
     return Forward(gm, n_params, len(fakes) - n_params, consts, out_spec[0], sources)
+
+
+def _refuse_captured_writes(
+    call: str, gm: fx.GraphModule, n_inputs: int, consts: list[torch.Tensor], sources: list[Any]
+) -> None:
+    """Refuse an in-place write into a captured tensor that is no module's buffer.
+
+    # NOTE [writes into captured tensors]
+    Fake tracing applies an in-place update of a real captured tensor to the tensor itself
+    (StaticCache's `cumulative_length.add_(n)`, a global step counter). For a module buffer the
+    trace puts the old value back (`note_module`); for any other captured tensor fpipe cannot,
+    so the write would happen once at trace time and again at every call, and the positions a
+    cache length gives would be off by a step: wrong tokens, no error. So it is an error, and
+    the message says the tensor's value was already changed.
+    """
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"][n_inputs:]
+    written = {
+        phs.index(n.args[0])
+        for n in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.copy_.default)
+        if n.args[0] in phs
+    }
+    bad = sorted(i for i in written if sources[i] is None)
+    if bad:
+        t = consts[bad[0]]
+        what = f"a {t.dim()}-dim {t.device.type} {t.dtype} tensor" + (" (a counter?)" if t.dim() == 0 else "")
+        raise ValueError(
+            f"{call}: the function writes in place into {what} it captured that is not a module "
+            "buffer (a cache length, a step counter: transformers' StaticCache keeps its length "
+            "so). fpipe's trace cannot undo that write, so it already happened once at trace "
+            "time, and the traced program would repeat it at every call: wrong results with no "
+            "error. Pass the tensor (or the position it counts) as an argument of the function, "
+            "or register it as a buffer of the module (register_buffer); fpipe.generate keeps "
+            "the cache position as an input."
+        )
 
 
 class _Replay(fx.Interpreter):

@@ -3,14 +3,15 @@
     torchrun --standalone --nproc-per-node 2 bench/plan.py
     torchrun --standalone --nproc-per-node 4 bench/plan.py --top 3
 
-Every rank plans (`fpipe.plan(..., world_size=W)`: the same plan everywhere, measurements
-averaged), rank 0 prints the plan's table; then the top candidates are each built with
-`fpipe.pipeline(loss, plan=c)` (a ("dp", "pp") mesh where dp > 1) and timed: median of 5 steps
-(value_and_grad + AdamW) after 2 warm-up steps. Rank 0 prints predicted against measured per
-candidate (the error is (predicted - measured) / measured), the planner's pick against the
-measured best, and the pick's layout with its measured cuts against the same layout cut at equal
-block counts (stage_boundary markers) -- the model has a heavy head (a large vocabulary), which
-equal layers put on one stage with a block's share of the rest.
+Every rank plans (`fpipe.plan(..., world_size=W, verify=TOP)`: the same plan everywhere,
+measurements averaged; the TOP best predicted candidates timed as real steps and the fastest
+chosen), rank 0 prints the plan's table and each verified candidate's prediction error
+((predicted - measured) / measured). Then, independently of plan() and in interleaved rounds
+(A B C D A B C D ...; median of 5 steps of value_and_grad + AdamW after 2 warm-up steps, the
+slowest rank): the chosen plan; the candidate prediction alone would have chosen; and the best
+pipelined layout with its measured cuts against the same layout cut at equal block counts
+(stage_boundary markers) -- the model has a heavy head (a large vocabulary), which equal layers
+put on one stage with a block's share of the rest.
 
 Results: docs/BENCHMARKS.md, "Planning (issue 15)".
 """
@@ -96,7 +97,7 @@ def replica(c: fpipe.Plan, x: torch.Tensor) -> torch.Tensor:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--top", type=int, default=4, help="candidates to measure")
+    ap.add_argument("--top", type=int, default=4, help="candidates plan() verifies (verify=)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved cuts / equal-layers timings")
     args = ap.parse_args()
     dist.init_process_group("gloo")
@@ -104,37 +105,47 @@ def main() -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
     params, tokens, targets = make()
     start = time.perf_counter()
-    plan = fpipe.plan(loss, params, tokens, targets, world_size=world)
+    plan = fpipe.plan(loss, params, tokens, targets, world_size=world, verify=args.top)
     if rank == 0:
         print(f"world_size={world}, threads per rank {torch.get_num_threads()}, plan() took "
-              f"{time.perf_counter() - start:.1f} s (measuring {plan.measure_s:.1f} s)\n{plan}\n")  # fmt: skip
-    rows = []
-    for c in plan.candidates[: args.top]:
-        t = timed(fpipe.pipeline(loss, plan=c), params, replica(c, tokens), replica(c, targets))
-        rows.append((c, t))
-        if rank == 0:
-            err = (c.predicted_step_s - t) / t
+              f"{time.perf_counter() - start:.1f} s (measuring and verifying {plan.measure_s:.1f} s)"
+              f"\n{plan}\n")  # fmt: skip
+    top = plan.candidates[: plan.verified]
+    by_prediction = min(top, key=lambda c: c.predicted_step_s)  # what prediction alone would pick
+    if rank == 0:
+        for c in sorted(top, key=lambda c: c.predicted_step_s):
+            err = (c.predicted_step_s - c.measured_step_s) / c.measured_step_s
             print(f"{c.layout:34s} stages {c.stages}  predicted {c.predicted_step_s * 1e3:7.1f} ms  "
-                  f"measured {t * 1e3:7.1f} ms  error {err:+.0%}", flush=True)  # fmt: skip
-    best = min(rows, key=lambda r: r[1])
+                  f"verified {c.measured_step_s * 1e3:7.1f} ms  error {err:+.0%}", flush=True)  # fmt: skip
     pick = next(c for c in plan.candidates if c.pp > 1)  # the best pipelined layout, for the cut test
     mesh = pick.settings({}).get("mesh")  # the plan's mesh (None: all ranks one pipeline)
-    cut = fpipe.pipeline(loss, plan=pick)
     eq = fpipe.pipeline(
         equal_layers(pick.stages), microbatches=pick.microbatches, schedule=pick.schedule, mesh=mesh
     )
-    mine = (params, replica(pick, tokens), replica(pick, targets))
-    pairs = [(timed(cut, *mine), timed(eq, *mine)) for _ in range(args.rounds)]  # A B A B ...
+    runs = {  # timed again, independently of plan(), in interleaved rounds: A B C D A B C D ...
+        "chosen": (fpipe.pipeline(loss, plan=plan), plan),
+        "best predicted": (fpipe.pipeline(loss, plan=by_prediction), by_prediction),
+        "pipelined, measured cuts": (fpipe.pipeline(loss, plan=pick), pick),
+        "pipelined, equal layers": (eq, pick),
+    }
+    got: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(args.rounds):
+        for k, (piped, c) in runs.items():
+            got[k].append(timed(piped, params, replica(c, tokens), replica(c, targets)))
     if rank == 0:
-        print(f"\nplanner's pick: {plan.layout} measured {rows[0][1] * 1e3:.1f} ms; measured best of "
-              f"the top {len(rows)}: {best[0].layout} {best[1] * 1e3:.1f} ms "
-              f"(pick is {rows[0][1] / best[1] - 1:+.0%} off the best)")  # fmt: skip
-        ratios = sorted(e / c for c, e in pairs)
-        print(f"{pick.layout}: measured cuts {pick.cuts} vs equal layers ({L // pick.stages} blocks "
-              f"per stage), {args.rounds} interleaved rounds: cuts "
-              f"{statistics.median(c for c, _ in pairs) * 1e3:.1f} ms, equal layers "
-              f"{statistics.median(e for _, e in pairs) * 1e3:.1f} ms; equal / cuts per round "
-              f"{' '.join(f'{r:.2f}' for r in ratios)} (median {statistics.median(ratios):.2f}x)")  # fmt: skip
+        med = {k: statistics.median(v) for k, v in got.items()}
+        print(
+            f"\n{args.rounds} interleaved rounds, median ms: "
+            + "; ".join(f"{k} {v * 1e3:.1f}" for k, v in med.items())
+        )
+        print(f"chosen {plan.layout} vs best predicted {by_prediction.layout}: "
+              f"{med['best predicted'] / med['chosen']:.2f}x (same layout: {(plan.layout, plan.stages) == (by_prediction.layout, by_prediction.stages)})")  # fmt: skip
+        ratios = sorted(
+            e / c for c, e in zip(got["pipelined, measured cuts"], got["pipelined, equal layers"])
+        )
+        print(f"{pick.layout}: measured cuts {pick.cuts} vs equal layers ({L // pick.stages} blocks per "
+              f"stage): equal / cuts per round {' '.join(f'{r:.2f}' for r in ratios)} "
+              f"(median {statistics.median(ratios):.2f}x)")  # fmt: skip
     dist.barrier()
     dist.destroy_process_group()
 

@@ -324,6 +324,36 @@ def matmul_share(mesh: Any) -> float:
     return mine.flops / whole_step.flops
 
 
+def plain(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """`mlp` without boundaries: fpipe.plan chooses the cuts."""
+    h = x
+    for i in range(4):
+        h = torch.tanh(h @ params[f"w{i}"] + params[f"b{i}"])
+    return F.mse_loss(h, y)
+
+
+def planned() -> dict[str, Any]:
+    """fpipe.plan on the job's 4 ranks (a small budget: the layouts not timed in it are dropped),
+    its 2 best predicted candidates timed as real steps, and `pipeline(plan=p)` run on the
+    replica's share of the batch against the global batch's gradients."""
+    params, (x, y) = params_for("mlp"), data()
+    p = fpipe.plan(plain, params, x, y, world_size=4, optimizer="sgd", budget_s=4.0, verify=2)
+    i, n = dist.get_rank() // p.pp, BATCH // p.dp
+    loss, grads = fpipe.value_and_grad(fpipe.pipeline(plain, plan=p))(
+        params, x[i * n : (i + 1) * n], y[i * n : (i + 1) * n]
+    )
+    want_grads, want_loss = torch.func.grad_and_value(plain)(params, x, y)
+    verified = p.candidates[: p.verified]
+    return {
+        "layout": [p.layout, p.stages, list(p.cuts)],
+        "verified": [[c.layout, c.predicted_step_s, c.measured_step_s] for c in verified],
+        "measured": p.measured_step_s,
+        "loss_err": float((loss - want_loss).abs()),
+        "grad_err": max(float((grads[k] - want_grads[k]).abs().max()) for k in grads),
+        "keys": sorted(grads),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -345,6 +375,10 @@ def main() -> None:
     rec["indivisible"] = indivisible(mesh)
     rec["no_replicas"] = no_replicas()
     rec["gather_log"] = gather_log(mesh)
+    try:
+        rec["plan"] = planned()
+    except Exception as err:  # recorded; the test names it
+        rec["plan"] = {"error": f"{type(err).__name__}: {err}"}
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(rec, f)
 

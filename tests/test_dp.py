@@ -157,3 +157,21 @@ def test_dtensor_parameters_without_replicas_are_refused_saying_why(ranks):
     for rec in ranks:
         msg = rec["no_replicas"]
         assert "is a DTensor, but this pipeline has no data-parallel replicas" in msg, msg
+
+
+def test_plan_is_the_same_on_every_rank_verified_and_exact(ranks):
+    """fpipe.plan under torchrun: one plan on every rank (measurements averaged, verified steps
+    the slowest rank's), chosen as the fastest of the candidates it timed as real steps, and
+    `pipeline(f, plan=p)` on each replica's share gives the global batch's loss and gradients."""
+    recs = [rec["plan"] for rec in ranks]
+    assert all("error" not in r for r in recs), recs
+    assert all(r["layout"] == recs[0]["layout"] and r["verified"] == recs[0]["verified"] for r in recs)
+    verified = recs[0]["verified"]
+    assert len(verified) == 2, verified
+    measured = [m for _, _, m in verified]
+    assert all(m > 0 for m in measured) and measured == sorted(measured), verified
+    assert recs[0]["measured"] == measured[0] and recs[0]["layout"][0] == verified[0][0]
+    for r in recs:
+        assert r["loss_err"] < TOL and r["grad_err"] < TOL, r
+    covered = set().union(*(r["keys"] for r in recs))  # every parameter's gradient on some rank
+    assert covered == set(EXPECTED_KEYS["mlp"])

@@ -107,6 +107,12 @@ def test_plan_pipeline_has_the_plans_cuts_and_gradients(planned: fpipe.Plan, inp
     assert any(k in params for k in c.cuts), c.cuts
 
 
+def test_nothing_is_verified_in_one_process(planned: fpipe.Plan) -> None:
+    """verify= times real steps on a job's ranks; one process has none (tests/test_dp.py: 4 ranks)."""
+    assert planned.verified == 0 and all(c.measured_step_s != c.measured_step_s for c in planned.candidates)
+    assert "step (measured)" in str(planned).splitlines()[0]
+
+
 def test_measurements_are_cached_per_signature(planned: fpipe.Plan, inputs: tuple) -> None:
     params, x, y = inputs
     again = fpipe.plan(loss_fn, params, x, y, world_size=2)

@@ -45,6 +45,7 @@ from .plan_cost import (
     world,
 )
 from .plan_table import table
+from .plan_verify import verify as verify_
 from .schedule import build, names
 from .schedule_data import Schedule
 from .simulate import simulate
@@ -80,6 +81,8 @@ class Plan:
     measure_s: float = 0.0  # seconds spent measuring (0.0 when cached)
     links: Links | None = None
     costs: Any = dataclasses.field(default=None, repr=False, compare=False)
+    measured_step_s: float = float("nan")  # a real step on the job's ranks (NOTE [plan verification])
+    verified: int = 0  # on the chosen plan: how many candidates were timed for real
 
     @property
     def layout(self) -> str:
@@ -182,6 +185,7 @@ class _Measured:
     costs: dict[Any, list[float]]
     seconds: float
     skipped: dict[Any, str]  # config -> why it was not timed
+    steps: dict[Any, float] = dataclasses.field(default_factory=dict)  # verified: (layout, stages) -> s
 
 
 _CACHE: dict[Any, _Measured] = {}
@@ -278,7 +282,7 @@ def _predict(c: _Candidate, t: StageTimes, ms: _Measured, opt_factor: int) -> Pl
     )  # fmt: skip
 
 
-def _check(call: str, params: Any, world_size: Any, optimizer: str) -> None:
+def _check(call: str, params: Any, world_size: Any, optimizer: str, verify: int) -> None:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(
             f"{call}: world_size must be a positive int (the number of ranks), got {world_size!r}."
@@ -286,6 +290,11 @@ def _check(call: str, params: Any, world_size: Any, optimizer: str) -> None:
     size = world()[1]
     if size > 1 and world_size != size:
         raise ValueError(f"{call}: this job has {size} ranks; plan for world_size={size}.")
+    if size > 1 and verify > 0 and not isinstance(params, dict):
+        raise ValueError(
+            f"{call}: verify={verify} times real steps, which needs params as a dict (as "
+            f"fpipe.functionalize returns); got {type(params).__name__}. Pass verify=0 to skip."
+        )
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"{call}: unknown optimizer {optimizer!r}; known: {sorted(OPTIMIZERS)}.")
     if any(isinstance(p, DTensor) for p in tree_flatten(params)[0]):
@@ -303,6 +312,7 @@ def plan(
     memory_limit: int | None = None,
     optimizer: str = "adamw",
     budget_s: float = 120.0,
+    verify: int = 3,
     **example_kwargs: Any,
 ) -> Plan:
     """Choose how to run `value_and_grad(pipeline(f, ...))` on `world_size` ranks, from
@@ -317,6 +327,9 @@ def plan(
         optimizer: "adamw", "adam", "sgd" or "none": whose step time and state are counted.
         budget_s: seconds of measuring after which layouts not yet timed are dropped (the
             first is always timed).
+        verify: under torchrun, time this many of the best predicted candidates as real steps
+            on the job's ranks and choose the fastest measured (NOTE [plan verification] in
+            plan_verify.py): one build and 4 steps each; in one process nothing is verified.
 
     Returns:
         The best `Plan`; `pipeline(f, plan=p)` builds it. Measurements are cached per input
@@ -327,7 +340,7 @@ def plan(
             `memory_limit` (naming the least memory reachable).
     """
     call = f"plan({getattr(f, '__name__', repr(f))}, world_size={world_size!r})"
-    _check(call, params, world_size, optimizer)
+    _check(call, params, world_size, optimizer, verify)
     batch = _batch(call, example_args, example_kwargs)
     cands, skipped = _candidates(call, world_size, batch)
     key = _signature(f, params, example_args, example_kwargs, world_size, optimizer, budget_s)
@@ -335,9 +348,10 @@ def plan(
     if not cached:
         _CACHE[key] = _measure(f, params, example_args, example_kwargs, cands, optimizer, budget_s, batch)
     ms = _CACHE[key]
-    return _rank(
+    best = _rank(
         call, cands, ms, memory_limit, OPTIMIZERS[optimizer][1], skipped, 0.0 if cached else ms.seconds
     )
+    return verify_(f, params, example_args, example_kwargs, best, verify, optimizer, ms.steps)
 
 
 def _rank(

@@ -6,7 +6,18 @@ from typing import Any
 
 __all__ = ["table"]
 
-_HEAD = ("#", "layout", "stages", "step (pred)", "bubble", "makespan", "dp all-reduce", "peak", "note")
+_HEAD = (
+    "#",
+    "layout",
+    "stages",
+    "step (pred)",
+    "step (measured)",
+    "bubble",
+    "makespan",
+    "dp all-reduce",
+    "peak",
+    "note",
+)
 
 
 def _ms(x: float) -> str:
@@ -17,7 +28,7 @@ def _row(i: str, p: Any, note: str) -> tuple[str, ...]:
     peak = f"{p.predicted_peak_bytes / 2**20:.1f} MiB" if p.predicted_peak_bytes else "-"
     bubble = "-" if p.bubble != p.bubble else f"{p.bubble:.0%}"
     return (
-        i, p.layout, str(p.stages), _ms(p.predicted_step_s), bubble, _ms(p.parts.get("makespan", float("nan"))),
+        i, p.layout, str(p.stages), _ms(p.predicted_step_s), _ms(p.measured_step_s), bubble, _ms(p.parts.get("makespan", float("nan"))),
         _ms(p.parts.get("dp all-reduce", float("nan"))), peak, note,
     )  # fmt: skip
 
@@ -28,6 +39,11 @@ def why(p: Any) -> str:
     if len(p.candidates) < 2:
         return head + ", the only layout that fits."
     q = p.candidates[1]
+    if p.verified > 1:
+        return (
+            f"{head}, measured {_ms(p.measured_step_s)}: the fastest of the {p.verified} best "
+            f"predicted, timed as real steps on this job ({q.layout}: {_ms(q.measured_step_s)})."
+        )
     diffs = [
         f"{k} {_ms(p.parts[k])} vs {_ms(q.parts[k])}"
         for k in ("makespan", "dp all-reduce", "optimizer", "outside actions")

@@ -20,6 +20,7 @@ import inspect
 from typing import Any
 
 import torch
+import torch.fx as fx
 from torch import nn
 
 from .compiler import _forward_as_joint
@@ -28,7 +29,8 @@ from .functionalize import functionalize
 from .kv_cache import SlotCache, inplace_cache_writes
 from .split import split
 from .staged import Program, Staged
-from .trace import make_fakes, trace_forward
+from .marker import BOUNDARY
+from .trace import Forward, make_fakes, trace_forward
 
 __all__ = ["Programs", "Shapes", "trace_programs", "decoder_blocks", "cache_layout"]
 
@@ -77,17 +79,15 @@ def decoder_blocks(model: nn.Module) -> tuple[str, int]:
     return max(lists, key=lambda pn: pn[1])
 
 
-def stage_cuts(model: nn.Module, stages: int) -> list[str] | None:
-    """Module paths where stages 1..stages-1 begin: equal runs of decoder blocks."""
+def stage_cuts(model: nn.Module, stages: int) -> list[int]:
+    """The decoder blocks where stages 1..stages-1 begin: equal runs of blocks."""
     path, n = decoder_blocks(model)
     if stages > n:
         raise ValueError(
             f"fpipe.generate(stages={stages}): {type(model).__name__} has {n} decoder blocks "
             f"({path}); a stage needs at least one, so pass stages <= {n}."
         )
-    if stages == 1:
-        return None
-    return [f"{path}.{(s * n) // stages}" for s in range(1, stages)]
+    return [(s * n) // stages for s in range(1, stages)]
 
 
 def cache_layout(model: nn.Module) -> tuple[int, int, int]:
@@ -114,10 +114,65 @@ def _cache_kwarg(model: nn.Module) -> str:
     return "cache" if "cache" in accepted else "past_key_values"
 
 
-def trace_programs(model: nn.Module, shapes: Shapes, stages: int, device: torch.device) -> Programs:
-    """Trace the model's step at `shapes` (fake tensors: no memory), cut into `stages` stages
-    at decoder blocks, with each stage's cache writes in place (NOTE [stage-resident state])."""
+def trace_programs(
+    model: nn.Module, shapes: Shapes, stages: int, device: torch.device, traced: dict[Any, Forward]
+) -> Programs:
+    """The model's step at `shapes`, cut into `stages` stages at decoder blocks, with each
+    stage's cache writes in place (NOTE [stage-resident state]). The forward is traced once per
+    shape with a boundary before every block (`traced` keeps it), and each stage count keeps
+    the boundaries where its stages begin: changing `stages` traces nothing again."""
     call = f"fpipe.generate({type(model).__name__}, stages={stages})"
+    if shapes not in traced:
+        traced[shapes] = trace_step(call, model, shapes, device)
+    fwd = traced[shapes]
+    staged = split(call, _forward_as_joint(_keeping(fwd, stage_cuts(model, stages))), stages)
+    n_layers = cache_layout(model)[0]
+    kv_names = [f"{kind}{i}" for i in range(n_layers) for kind in "kv"]
+    data = dict(zip([*DATA, *kv_names], staged.data_inputs))
+    written = {n for p in staged.programs.values() for n in inplace_cache_writes(p.gm)}
+    missing = [k for k in kv_names if data[k] not in written]
+    if missing:
+        raise ValueError(
+            f"{call}: the model did not write the key/value buffers {missing} through the cache "
+            "once each; fpipe.generate supports models whose every decoder layer calls "
+            "cache.update once per forward (full attention: no sliding-window, linear-attention "
+            "or cross-attention layers). Use model.generate for this model."
+        )
+    names = [n for n, _ in _param_items(model)]
+    sources = current_consts(call, _Consts(fwd.consts, fwd.sources))
+    return Programs(
+        staged,
+        data,
+        dict(zip(staged.param_inputs, names)),
+        dict(zip(staged.const_inputs, sources)),
+        staged.out_names[0],
+    )
+
+
+def _param_items(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return list(functionalize(model)[1].items())
+
+
+def _keeping(fwd: Forward, cuts: list[int]) -> Forward:
+    """A copy of `fwd` keeping only the boundaries before blocks `cuts` (the k-th boundary of
+    the trace is the one before block k + 1); the others become identities."""
+    graph = fx.Graph()
+    out = graph.graph_copy(fwd.gm.graph, {})
+    graph.output(out)
+    markers = graph.find_nodes(op="call_function", target=BOUNDARY)
+    for k, marker in enumerate(markers):
+        if k + 1 in cuts:
+            continue
+        for use in list(marker.users):
+            use.replace_all_uses_with(marker.args[0][use.args[1]])
+            graph.erase_node(use)
+        graph.erase_node(marker)
+    return dataclasses.replace(fwd, gm=fx.GraphModule(fwd.gm, graph))
+
+
+def trace_step(call: str, model: nn.Module, shapes: Shapes, device: torch.device) -> Forward:
+    """Trace the model's step at `shapes` on fake tensors (no memory), a boundary before
+    every decoder block."""
     fn, params = functionalize(model)
     names = list(params)
     n_layers, kv_heads, head_dim = cache_layout(model)
@@ -134,27 +189,9 @@ def trace_programs(model: nn.Module, shapes: Shapes, stages: int, device: torch.
     dtype = next(iter(params.values())).dtype
     meta = _example(shapes, n_layers, kv_heads, head_dim, dtype)
     _, fakes = make_fakes([*params.values(), *meta], device)
-    fwd = trace_forward(call, step, rebuild, fakes, len(names), device, stage_cuts(model, stages))
-    staged = split(call, _forward_as_joint(fwd), stages)
-    kv_names = [f"{kind}{i}" for i in range(n_layers) for kind in "kv"]
-    data = dict(zip([*DATA, *kv_names], staged.data_inputs))
-    written = {n for p in staged.programs.values() for n in inplace_cache_writes(p.gm)}
-    missing = [k for k in kv_names if data[k] not in written]
-    if missing:
-        raise ValueError(
-            f"{call}: the model did not write the key/value buffers {missing} through the cache "
-            "once each; fpipe.generate supports models whose every decoder layer calls "
-            "cache.update once per forward (full attention: no sliding-window, linear-attention "
-            "or cross-attention layers). Use model.generate for this model."
-        )
-    sources = current_consts(call, _Consts(fwd.consts, fwd.sources))
-    return Programs(
-        staged,
-        data,
-        dict(zip(staged.param_inputs, names)),
-        dict(zip(staged.const_inputs, sources)),
-        staged.out_names[0],
-    )
+    path, n = decoder_blocks(model)
+    every = [f"{path}.{i}" for i in range(1, n)] or None
+    return trace_forward(call, step, rebuild, fakes, len(names), device, every)
 
 
 @dataclasses.dataclass

@@ -49,14 +49,15 @@ class Feed:
         return self.prompt.shape[0] // self.microbatches
 
     def data(self, step: int, mb: int, tokens: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """The inputs of (step, mb); the token ids only where they are known (`tokens`: the
+        microbatch's previous tokens, on stage 0), as only stage 0 reads them."""
         rows = slice(mb * self.rows, (mb + 1) * self.rows)
-        p = self.prompt.shape[1]
         if step == 0:
             ids, pos, offset = self.prompt[rows], self.positions[rows], 0
         else:
-            assert tokens is not None
-            ids, pos, offset = tokens, self.positions[rows, -1:] + step, p + step - 1
-        return {"ids": ids, "mask": self.mask[rows], "positions": pos, "offset": torch.tensor(offset)}
+            ids, pos, offset = tokens, self.positions[rows, -1:] + step, self.prompt.shape[1] + step - 1
+        out = {"mask": self.mask[rows], "positions": pos, "offset": torch.tensor(offset)}
+        return out if ids is None else {"ids": ids, **out}
 
 
 class StageCaches:

@@ -27,6 +27,7 @@ __all__ = ["generate"]
 
 # traced programs per model and signature: a later generation of the same shapes traces nothing
 _PROGRAMS: weakref.WeakKeyDictionary[nn.Module, dict[Any, Programs]] = weakref.WeakKeyDictionary()
+_TRACED: weakref.WeakKeyDictionary[nn.Module, dict[str, dict[Any, Any]]] = weakref.WeakKeyDictionary()
 _GROUPS: dict[Any, PPGroup] = {}  # one PPGroup (and send thread) per process group
 
 
@@ -138,6 +139,7 @@ def _programs(model: nn.Module, feed: Feed, stages: int, device: torch.device) -
     """Step -> its programs: the prefill's (prompt length) at step 0, the decode's after; each
     traced at its first use, and kept for the model's later generations of the same shapes."""
     cached = _PROGRAMS.setdefault(model, {})
+    traced = _TRACED.setdefault(model, {})
     dtype = next(model.parameters()).dtype
     prompt, max_len = feed.prompt.shape[1], feed.mask.shape[1]
 
@@ -145,7 +147,7 @@ def _programs(model: nn.Module, feed: Feed, stages: int, device: torch.device) -
         shapes = Shapes(feed.rows, prompt if step == 0 else 1, max_len)
         key = (shapes, stages, device.type, dtype)
         if key not in cached:
-            cached[key] = trace_programs(model, shapes, stages, device)
+            cached[key] = trace_programs(model, shapes, stages, device, traced.setdefault(device.type, {}))
         return cached[key]
 
     return get

@@ -1,0 +1,152 @@
+"""Multi-process worker: `fpipe.generate` of GPT-2, Llama and Qwen2 on 2 or 4 gloo ranks.
+
+Launched once per rank count by `tests/test_generate_cache.py` (a process group costs seconds to
+start), as
+
+    torchrun --standalone --nproc-per-node N tests/generate_worker.py --out DIR
+
+Every rank builds the same tiny models (also imported by the test: `build`, `prompt`) and runs,
+per family: greedy generation of left-padded prompts with 2 microbatches against the unsplit
+`model.generate` (computed here, eager); generation with EOS per sequence against
+`model.generate` with the same EOS; a seeded sampled generation (the test compares it with the
+one-process result); and what this rank did -- the stages whose programs it ran, the operations
+they executed, the decoder layers whose K/V buffers it allocated -- and, on rank 0, the
+streamer's calls. It writes `DIR/rank{R}.json`. A case that raises ends the process (its peers then stop naming it,
+NOTE [failures never hang]), and the test shows the output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+from typing import Any
+
+import torch
+
+import fpipe
+
+DT = torch.float64
+VOCAB, LAYERS, BATCH, PROMPT, NEW, MICROBATCHES = 64, 4, 4, 6, 8, 2
+FAMILIES = ["gpt2", "llama", "qwen2"]
+SAMPLING = dict(do_sample=True, temperature=0.8, top_k=20, top_p=0.9, seed=7)
+
+
+def build(name: str) -> torch.nn.Module:
+    import transformers  # here, not at the top: pytest --doctest-modules imports this file
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, bos_token_id=None, eos_token_id=None, pad_token_id=0, initializer_range=0.3)
+    if name == "gpt2":
+        cfg = transformers.GPT2Config(n_layer=LAYERS, n_embd=32, n_head=4, n_positions=32, **common)
+        model = transformers.GPT2LMHeadModel(cfg)
+    else:
+        sizes = dict(
+            num_hidden_layers=LAYERS, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=32,
+        )  # fmt: skip
+        if name == "llama":
+            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes, **common))
+        else:
+            model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**sizes, **common))
+    return model.to(DT).eval()
+
+
+def prompt() -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompts of lengths 6, 4, 5, 6 (pad id 0 where the mask is 0)."""
+    ids = torch.randint(1, VOCAB, (BATCH, PROMPT), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    mask[2, :1] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def reference(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, **kw: Any) -> torch.Tensor:
+    return model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, **kw)
+
+
+def eos_of(expected: torch.Tensor) -> int:
+    """An EOS id that ends row 0 early and others later or never: row 0's third new token."""
+    return int(expected[0, PROMPT + 2])
+
+
+class Recorder:
+    """A transformers-style streamer that records its calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[Any] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.calls.append(value.tolist())
+
+    def end(self) -> None:
+        self.calls.append("end")
+
+
+class Share:
+    """What this rank runs: counts the stage programs and their operations (`run_stage`) and
+    records the decoder layers whose K/V buffers it allocates (`StageCaches`)."""
+
+    def __init__(self) -> None:
+        from fpipe._src import decode_run
+
+        self.stages: Counter[int] = Counter()
+        self.ops = 0
+        self.layers: list[int] = []
+        self.cache_bytes = 0
+        run_stage, caches_init = decode_run.run_stage, decode_run.StageCaches.__init__
+
+        def counting(progs: Any, stage: int, env: Any, params: Any) -> None:
+            self.stages[stage] += 1
+            self.ops += progs.program(stage).n_nodes
+            run_stage(progs, stage, env, params)
+
+        def recording(caches: Any, *args: Any) -> None:
+            caches_init(caches, *args)
+            self.layers, self.cache_bytes = caches.layers, caches.nbytes()
+
+        decode_run.run_stage = counting
+        decode_run.StageCaches.__init__ = recording  # type: ignore[method-assign]
+
+    def reset(self) -> None:
+        self.stages, self.ops = Counter(), 0
+
+
+def case(name: str, share: Share) -> dict[str, Any]:
+    model = build(name)
+    ids, mask = prompt()
+    expected = reference(model, ids, mask)
+    streamer = Recorder()
+    share.reset()
+    out = fpipe.generate(model, ids, attention_mask=mask, max_new_tokens=NEW, microbatches=MICROBATCHES, streamer=streamer)
+    res: dict[str, Any] = {"greedy": out.tolist(), "expected": expected.tolist()}
+    res.update(stages=dict(share.stages), ops=share.ops, layers=share.layers, cache_bytes=share.cache_bytes)
+    res["streamer"] = streamer.calls
+    eos = eos_of(expected)
+    res["eos"] = fpipe.generate(model, ids, attention_mask=mask, max_new_tokens=NEW, microbatches=MICROBATCHES, eos_token_id=eos).tolist()
+    res["eos_expected"] = reference(model, ids, mask, eos_token_id=eos).tolist()
+    sampled = fpipe.generate(model, ids, attention_mask=mask, max_new_tokens=NEW, microbatches=MICROBATCHES, **SAMPLING)
+    res["sampled"] = sampled.tolist()
+    return res
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, results = dist.get_rank(), {}
+    share = Share()
+    for name in FAMILIES:
+        results[name] = case(name, share)
+    with open(f"{args.out}/rank{rank}.json", "w") as f:
+        json.dump(results, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -492,23 +492,47 @@ def test_a_value_computed_from_a_written_buffer_is_computed_once_before_the_writ
     assert_trees_close((loss, grads["a.bias"], model.count), (ref_loss.detach(), ref.a.bias.grad, ref.count))
 
 
-def test_a_checkpointed_region_warns_that_nothing_is_recomputed():
-    """torch.utils.checkpoint inside the function: exact gradients, and a warning that its
-    activations are kept (fpipe's programs never run saved-tensor hooks). It was accepted in
-    silence, as if it saved memory."""
+def test_a_checkpointed_region_is_recomputed_in_the_backward():
+    """torch.utils.checkpoint inside the function: exact gradients, no warning, and the
+    region's saved value is recomputed in stage 0's backward rather than kept. It was accepted
+    in silence, as if it saved memory, then warned that nothing was recomputed."""
     import torch.utils.checkpoint as checkpoint
 
     def f(w, x):
         h = checkpoint.checkpoint(lambda a: torch.tanh(a @ w), x, use_reentrant=False)
         return (fpipe.stage_boundary(h) @ w).pow(2).mean()
 
+    def same(w, x):  # torch.func refuses saved-tensor hooks: the reference without the checkpoint
+        return (fpipe.stage_boundary(torch.tanh(x @ w)) @ w).pow(2).mean()
+
+    w = torch.randn(3, 3, dtype=DT, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(4, 3, dtype=DT, generator=torch.Generator().manual_seed(1))
+    piped = fpipe.pipeline(f, microbatches=2)
+    loss, grad = fpipe.value_and_grad(piped)(w, x)  # filterwarnings=error: no warning
+    ref_grad, ref_loss = torch.func.grad_and_value(same)(w, x)
+    assert_trees_close((loss, grad), (ref_loss, ref_grad))
+
+    def b0_ops(p):
+        return {n.target for n in p._last.staged.programs["B", 0].gm.graph.nodes}
+
+    plain = fpipe.pipeline(same, microbatches=2)
+    fpipe.value_and_grad(plain)(w, x)
+    tanh = torch.ops.aten.tanh.default
+    assert tanh in b0_ops(piped) and tanh not in b0_ops(plain)  # recomputed, not read
+
+
+def test_other_saved_tensor_hooks_warn_that_nothing_is_offloaded():
+    """A saved-tensor hook that is no checkpoint (offloading to the host) never runs in fpipe's
+    programs: a warning says so."""
+
+    def f(w, x):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            h = torch.tanh(x @ w)
+        return (fpipe.stage_boundary(h) @ w).pow(2).mean()
+
     w = torch.randn(3, 3, dtype=DT, generator=torch.Generator().manual_seed(0))
     x = torch.randn(4, 3, dtype=DT, generator=torch.Generator().manual_seed(1))
     with pytest.warns(UserWarning, match="runs saved-tensor hooks .* no memory is saved"):
         loss, grad = fpipe.value_and_grad(fpipe.pipeline(f, microbatches=2))(w, x)
-
-    def same(w, x):  # torch.func refuses saved-tensor hooks: the reference without the checkpoint
-        return (torch.tanh(x @ w) @ w).pow(2).mean()
-
-    ref_grad, ref_loss = torch.func.grad_and_value(same)(w, x)
+    ref_grad, ref_loss = torch.func.grad_and_value(lambda w, x: (torch.tanh(x @ w) @ w).pow(2).mean())(w, x)
     assert_trees_close((loss, grad), (ref_loss, ref_grad))

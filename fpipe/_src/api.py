@@ -222,6 +222,7 @@ def pipeline(
     partition: str = "estimate",
     cuts: Any = None,
     plan: Any = None,
+    memory_limit: int | None = None,
 ) -> Pipelined:
     """Cut `f` into pipeline stages and run it over microbatches.
 
@@ -262,6 +263,10 @@ def pipeline(
             module path] in cuts.py.
         plan: a `fpipe.plan(...)` result: its stages, cuts, microbatches, schedule (and mesh
             under torchrun, when dp > 1) replace those arguments.
+        memory_limit: bytes each rank's step may hold beyond its parameters (`memory`'s
+            measure); fpipe recomputes saved values inside the backward programs, per stage, to
+            fit (NOTE [meeting a memory limit] in remat_choose.py). A limit it cannot meet is a
+            ValueError at the first call, before anything runs.
 
     Returns:
         A `Pipelined` callable with `f`'s signature; use it under `fpipe.value_and_grad`,
@@ -284,6 +289,7 @@ def pipeline(
     settings = dict(
         stages=stages, microbatches=microbatches, schedule=schedule, in_axes=in_axes, out_axes=out_axes,
         mesh=mesh, timeout=timeout, compile=compile, partition=partition, cuts=cuts,
+        memory_limit=memory_limit,
     )  # fmt: skip
     settings = plan.settings(settings) if plan is not None else settings
     Config(f, **settings).check()

@@ -13,23 +13,58 @@ them, and a read of such a value's number (`aten._local_scalar_dense`) is a Valu
 the user's line. A number read from a tensor the function creates itself (`torch.tensor(3)`)
 is the same at every call and stays allowed; one read from an argument is data-dependent and
 is refused by the tracer itself (NOTE [tracing is specialisation] in trace.py).
+
+# NOTE [checkpointed regions]
+fpipe's programs keep and free their values themselves, so saved-tensor hooks never run in
+them. A non-reentrant `torch.utils.checkpoint` region is seen while tracing by its hooks being
+active (its pack hook is `_checkpoint_hook`'s): inside `following_checkpoints()` (the
+compiler's traces), every operation traced under them gets `meta["recompute"]` (the region's
+number), which the joint trace carries to the joint graph's forward operations (the replay
+runs under `fx.traceback.preserve_node_meta`), and remat.py recomputes the saved values those
+operations make inside the backward program, keeping the region's inputs. Any other
+saved-tensor hook (offloading to the host) is warned about: nothing is offloaded.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import traceback
 import warnings
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.fx.traceback as fx_traceback
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .frames import user_line
 
-__all__ = ["RefuseCapturedReads"]
+__all__ = ["RefuseCapturedReads", "following_checkpoints"]
+
+# The checkpoint regions met by the traces of one compile (None: not following them)
+_REGIONS: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar("fpipe_regions", default=None)
+
+
+@contextlib.contextmanager
+def following_checkpoints() -> Iterator[list[Any]]:
+    """Tag the operations of checkpointed regions in the traces run inside (NOTE
+    [checkpointed regions]); yields the list of regions met (their pack hooks)."""
+    regions: list[Any] = []
+    token = _REGIONS.set(regions)
+    try:
+        with fx_traceback.preserve_node_meta():
+            yield regions
+    finally:
+        _REGIONS.reset(token)
+
+
+def _is_checkpoint(pack: Any) -> bool:
+    return "_checkpoint_hook" in getattr(pack, "__qualname__", "")
+
 
 _READ = torch.ops.aten._local_scalar_dense.default
 _LITERALS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
@@ -47,9 +82,28 @@ class RefuseCapturedReads(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if not self.hooks_seen and torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        regions = _REGIONS.get()
+        if hooks is not None and _is_checkpoint(hooks[0]) and regions is not None:
+            return self._in_region(regions, hooks[0], func, types, args, kwargs)
+        if not self.hooks_seen and hooks is not None:
             self.hooks_seen = True
             _warn_hooks(self.call)
+        return self._dispatch(func, args, kwargs)
+
+    def _in_region(self, regions: list[Any], pack: Any, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        """`func` traced as an operation of checkpoint region `pack` (NOTE [checkpointed regions])."""
+        if not any(r is pack for r in regions):
+            regions.append(pack)  # held: a region's number is its place here
+        number = next(i for i, r in enumerate(regions) if r is pack)
+        outer = fx_traceback.current_meta
+        fx_traceback.current_meta = {**outer, "recompute": number}
+        try:
+            return self._dispatch(func, args, kwargs)
+        finally:
+            fx_traceback.current_meta = outer
+
+    def _dispatch(self, func: Any, args: Any, kwargs: Any) -> Any:
         if func in _LITERALS:  # `torch.tensor(3)` in the function: made here, not captured
             return func(*args, **kwargs)
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
@@ -90,13 +144,28 @@ def _known(t: torch.Tensor) -> bool:
 
 
 def _warn_hooks(call: str) -> None:
-    """`torch.utils.checkpoint` (non-reentrant) or another saved-tensor hook (CPU offloading) is
-    active inside the traced function. fpipe's programs keep and free their values themselves,
-    so the hooks never run: the gradients are right, but nothing is recomputed or offloaded."""
+    """A saved-tensor hook other than a followed `torch.utils.checkpoint` (offloading to the
+    host, a reentrant or untraced checkpoint) is active inside the traced function: fpipe's
+    programs keep and free their values themselves, so it never runs."""
     warnings.warn(
-        f"{call}: the function runs saved-tensor hooks (torch.utils.checkpoint, or offloading "
-        "with torch.autograd.graph.saved_tensors_hooks). fpipe traces through them: the "
-        "gradients are exact, but the region's activations are kept for the backward, not "
-        "recomputed or offloaded, so no memory is saved.",
+        f"{call}: the function runs saved-tensor hooks (offloading with "
+        "torch.autograd.graph.saved_tensors_hooks, or a checkpoint fpipe cannot follow). fpipe "
+        "traces through them: the gradients are exact, but the values are kept for the "
+        "backward, not offloaded or recomputed, so no memory is saved. fpipe recomputes "
+        "torch.utils.checkpoint(..., use_reentrant=False) regions; pipeline(..., "
+        "memory_limit=bytes) chooses what to recompute itself.",
+        stacklevel=2,
+    )
+
+
+def warn_lost_regions(call: str) -> None:
+    """Checkpoint regions were traced but their tags did not reach the joint graph (a function
+    that writes its inputs is traced again without them): say nothing is recomputed."""
+    warnings.warn(
+        f"{call}: the function has torch.utils.checkpoint regions, but it also writes its inputs "
+        "(a BatchNorm's running statistics, an in-place update of a buffer), and fpipe's second "
+        "trace of such a function loses the regions: the gradients are exact, but the regions' "
+        "values are kept for the backward, not recomputed. pipeline(..., memory_limit=bytes) "
+        "chooses what to recompute without the regions.",
         stacklevel=2,
     )

@@ -28,13 +28,17 @@ from .agree import (
     fingerprint,
     graph_text,
 )
+from .captured import following_checkpoints, warn_lost_regions
 from .config import REDUCTIONS, Config
 from .dist import PPGroup
 from .inputs import Inputs
 from .marker import BOUNDARY
 from .measure import measure_costs
+from .memory import predict
 from .partition import auto_partition
 from .reduction import batch_reduction
+from .remat import tagged
+from .remat_choose import choose
 from .run import LocalRunner
 from .run_dist import DistRunner
 from .schedule import Schedule, build, stages_per_rank
@@ -60,6 +64,7 @@ class Compiled:
     param_keys: list[Any]
     const_sources: list[Any]  # Forward.sources: where each const is read at every call
     local_params: list[int] | None = None
+    base: Staged | None = None  # before recomputation (remat_choose.py): what every rank agrees on
 
 
 Key = tuple[Any, ...]
@@ -102,16 +107,21 @@ class Compiler:
         if compiled is None:
             # Trace outside any active torch.func transform (grad(piped), vmap(piped)): the
             # program is a function of its inputs, whatever transform later runs it.
-            with temporarily_clear_interpreter_stack():
-                compiled = self._compile(inp, mb0, grad_of, has_aux)
+            with temporarily_clear_interpreter_stack(), following_checkpoints() as regions:
+                compiled = self._compile(inp, mb0, grad_of, has_aux, bool(regions))
             if self.pg is not None:  # before any transfer: the ranks must agree on what to send
-                parts = fingerprint(compiled.staged, compiled.runner.schedule)
+                parts = fingerprint(compiled.base or compiled.staged, compiled.runner.schedule)
                 check_same_program(self.cfg.call, self.pg, parts, self.cfg.timeout)
             self.cache[key] = compiled
         return compiled
 
     def _compile(
-        self, inp: Inputs, mb0: list[torch.Tensor], grad_of: tuple[int, ...] | None, has_aux: bool
+        self,
+        inp: Inputs,
+        mb0: list[torch.Tensor],
+        grad_of: tuple[int, ...] | None,
+        has_aux: bool,
+        regions: bool = False,
     ) -> Compiled:
         cfg, device = self.cfg, inputs_.device_of(self.pg, inp)
         mode, fakes = make_fakes([*inp.param_leaves, *mb0], device)
@@ -135,14 +145,33 @@ class Compiler:
                 joint.gm = rewrite(cfg.call, joint.gm, self._tp_name(), self.tp is None)
             else:
                 joint = trace_joint(cfg.call, fwd, [*fakes, *const_fakes, ct], diff, has_aux)
-        staged, sched = self._stage(joint)
-        runner: Any = (
-            LocalRunner(staged, sched) if self.pg is None else DistRunner(staged, sched, self.pg, cfg.timeout)
-        )
+        base, sched = self._stage(joint)
+        staged = base
+        if grad_of is not None:  # NOTE [meeting a memory limit] in remat_choose.py
+            if regions and not any(tagged(n) for n in joint.gm.graph.nodes):
+                warn_lost_regions(cfg.call)
+            staged = self._remat(base, sched, inp, diff)
         keys = inputs_.param_keys(inp)
         return Compiled(
-            staged, runner, fwd.consts, fwd.out_spec, reductions, diff, stage_costs, keys, fwd.sources
-        )
+            staged, self._runner(staged, sched), fwd.consts, fwd.out_spec, reductions, diff,
+            stage_costs, keys, fwd.sources, base=base,
+        )  # fmt: skip
+
+    def _runner(self, staged: Staged, sched: Schedule) -> Any:
+        if self.pg is None:
+            return LocalRunner(staged, sched)
+        return DistRunner(staged, sched, self.pg, self.cfg.timeout)
+
+    def _remat(self, base: Staged, sched: Schedule, inp: Inputs, diff: list[int]) -> Staged:
+        """Checkpointed regions recomputed, and what `memory_limit` needs (remat_choose.py)."""
+        summed = frozenset(base.n_outs + j for j, pos in enumerate(diff) if inp.axis_of(pos) is None)
+        rank = self.pg.rank if self.pg is not None else None
+        mine = [s for s in range(base.n_stages) if rank is None or sched.stage_rank[s] == rank]
+
+        def predicted(st: Staged) -> Any:
+            return predict(st, self._runner(st, sched), summed, self.cfg.microbatches)
+
+        return choose(self.cfg.call, base, self.cfg.memory_limit, predicted, mine)
 
     def _function(self, inp: Inputs) -> tuple[Any, Any]:
         """The function to trace and the rebuilder of its arguments (NOTE [tensor-parallel

@@ -38,6 +38,7 @@ class Config:
     compile: bool | dict[str, Any] = False
     partition: str = "estimate"
     cuts: Any = None  # module paths where stages begin (NOTE [cuts by module path] in cuts.py)
+    memory_limit: int | None = None  # bytes per rank (NOTE [meeting a memory limit] in remat_choose.py)
     costs: Any = None  # measured per-operation costs to cut by, shared (fpipe.plan's; compiler.py)
 
     @property
@@ -65,6 +66,12 @@ class Config:
                 "static cost model) or 'measure' (time each operation on the device)."
             )
         check_cuts(call, self.cuts)
+        lim = self.memory_limit
+        if lim is not None and (isinstance(lim, bool) or not isinstance(lim, int) or lim <= 0):
+            raise ValueError(
+                f"{call.rstrip(')')}, memory_limit={lim!r}): memory_limit must be a positive int "
+                "(bytes per rank) or None."
+            )
         if self.stages is not None and (not isinstance(self.stages, int) or self.stages < 1):
             raise ValueError(
                 f"pipeline({fn_name(self.f)}, stages={self.stages!r}): stages must be a positive int or None."

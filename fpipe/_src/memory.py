@@ -144,7 +144,6 @@ class _Replay:
         local = runner.local_refs if hasattr(runner, "local_refs") else runner.refcount
         self.left = {(m, n): k for m in range(n_mb) for n, k in local.items()}
         self.sums: dict[int, tuple[Key | None, bool]] = {}  # output -> (storage, owned)
-        self.profiles: dict[int, Profile] = {}
         self.peak, self.at, self.running = 0, "", 0
         self.at_peak: dict[int, int] = {}
         self.kept_at_peak: tuple[dict[int, int], dict[int, set[int]]] = ({}, {})
@@ -173,7 +172,7 @@ class _Replay:
             if i not in self.sums:
                 self.sums[i] = (("sum", i), True)
                 self.acc.hold(("sum", i), 1, like.numel() * like.element_size(), a.stage)
-        pr = self.profiles.get(id(gm)) or self.profiles.setdefault(id(gm), profile(gm))
+        pr = _profile(gm)
         self.transient[a.stage] = max(self.transient.get(a.stage, 0), pr.peak)
         self.observe(str(a), a.stage, pr.peak)
         names = [*prog.inputs, *(("sum", i) for i in fused)]
@@ -255,6 +254,14 @@ class _Replay:
             for s in stages
         )  # fmt: skip
         return MemoryReport(self.peak, self.at, rows, tuple(self.log))
+
+
+def _profile(gm: Any) -> Profile:
+    """`profile(gm)`, once per graph module (kept on it: remat_choose.py predicts many plans
+    that share most programs)."""
+    if "_fpipe_profile" not in gm.__dict__:
+        gm.__dict__["_fpipe_profile"] = profile(gm)
+    return gm.__dict__["_fpipe_profile"]  # type: ignore[no-any-return]
 
 
 def _numel(shape: Iterable[int]) -> int:

@@ -1,0 +1,330 @@
+"""Rematerialisation: a backward program recomputes values instead of reading them saved.
+
+# NOTE [recomputing in the backward]
+A stage's forward program F hands the values its backward needs (the saved activations) to the
+backward programs of the same stage (B, or the zero-bubble halves I and W); I hands W the
+intermediates both need (split_iw.py). Each such value is held from its producer until its
+last reader, once per microbatch in flight. A *drop* `(P, v)` has program P compute `v` itself:
+`v`'s producing operations are copied from the producer Q's graph into P, right before P's
+first use of `v`, back to values P has anyway -- Q's own inputs (the stage's input, the
+parameters, the data), values P reads and does not drop, and, for P = B or I, values a later
+backward program of the stage reads (held that long anyway). Q no longer returns `v` when
+nothing else reads it. This is the mechanism the I/W split uses (a program is a set of
+operations cut out of the joint graph), run the other way.
+
+The copies are the traced operations themselves, so the recomputed values are bit-identical:
+a random operation (dropout) is a `rng.seeded` call keyed by (step, microbatch, its index in
+the joint graph), and its copy in P draws the same mask (NOTE [random-number policy] in
+rng.py). Operations that write their inputs, collectives and anything not an aten/prims
+operation are never copied: a value that needs one is not dropped (`recomputable`).
+
+Regions the user wrapped in `torch.utils.checkpoint` (NOTE [checkpointed regions] in
+captured.py) arrive with `meta["recompute"]` on their forward operations: every saved value
+such an operation makes is dropped, and a walk that leaves the region stops at the value it
+leaves by -- the region's inputs are kept (a new output of F if F did not return it), as
+checkpoint keeps them. Which further values to drop under `memory_limit` is remat_choose.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from .rng import seeded
+from .staged import Place, Program, Staged
+from .trace import is_mutating
+
+__all__ = ["Drop", "apply", "candidates", "checkpointed", "recompute_nodes", "tagged"]
+
+Drop = tuple[Place, str]  # program P recomputes value v
+_BACKWARD = ("B", "I", "W")
+
+
+def tagged(node: fx.Node) -> bool:
+    """An operation inside a `torch.utils.checkpoint` region (captured.py tags them)."""
+    return node.meta.get("recompute") is not None
+
+
+def recomputable(node: fx.Node) -> bool:
+    """May this operation run again inside a backward program? Pure aten/prims operations and
+    seeded random ones; never a write into an input or a collective."""
+    if node.op != "call_function" or is_mutating(node):
+        return False
+    t = node.target
+    if t is operator.getitem or t is seeded:
+        return True
+    return isinstance(t, torch._ops.OpOverload) and t.namespace in ("aten", "prims")
+
+
+def _node_of(prog: Program) -> dict[str, fx.Node]:
+    """The node of each value `prog` reads or returns, by value name (by position: a node's own
+    name is no value's name once a rewrite has copied nodes in, fx renumbers them)."""
+    out = {}
+    phs = [n for n in prog.gm.graph.nodes if n.op == "placeholder"]
+    out.update(zip(prog.inputs, phs))
+    ret = prog.gm.graph.find_nodes(op="output")[0].args[0]
+    out.update((name, n) for name, n in zip(prog.outputs, ret) if isinstance(n, fx.Node))  # type: ignore[arg-type]
+    return out
+
+
+def _names(prog: Program) -> dict[fx.Node, str]:
+    """The value name of each input and output node of `prog`."""
+    return {n: name for name, n in _node_of(prog).items()}
+
+
+class _Walk:
+    """What P needs to recompute value(s) of Q: the Q nodes to copy and the values to read."""
+
+    def __init__(self, q: Program, stop: set[str]) -> None:
+        self.q, self.stop, self.name = q, stop, _names(q)
+        self.copy: dict[fx.Node, None] = {}  # Q nodes to copy, in Q's order once sorted
+        self.read: dict[fx.Node, None] = {}  # Q nodes whose values P reads
+        self.ok = True
+
+    def visit(self, node: fx.Node, from_region: bool = False) -> None:
+        if node in self.copy or node in self.read:
+            return
+        if node.op == "placeholder" or self.name.get(node) in self.stop or (from_region and not tagged(node)):
+            self.read[node] = None
+            return
+        if not recomputable(node):
+            self.ok = False
+            return
+        self.copy[node] = None
+        for d in node.all_input_nodes:
+            self.visit(d, tagged(node))
+
+
+def recompute_nodes(q: Program, names: Iterable[str], stop: set[str]) -> _Walk:
+    """The walk back from Q's values `names` to `stop` (and Q's inputs, and region inputs)."""
+    walk, node_of = _Walk(q, stop), _node_of(q)
+    for v in names:
+        walk.visit(node_of[v], False)
+    return walk
+
+
+def _stops(st: Staged, p: Place, dropped: set[str], drops: set[Drop]) -> set[str]:
+    """Values P may read instead of recomputing: what it reads and keeps, and (P = B or I)
+    what a later backward program of the stage reads and keeps."""
+    later = [p] + ([("W", p[1])] if p[0] in ("B", "I") else [])
+    out = set()
+    for place in later:
+        if place in st.programs:
+            out |= {n for n in st.programs[place].inputs if (place, n) not in drops}
+    return out - dropped
+
+
+def candidates(st: Staged, stages: Iterable[int]) -> list[Drop]:
+    """Every (P, v) a backward program of `stages` could recompute: v made by the stage's F (or
+    I, for W) and not a step output, all of its operations recomputable."""
+    returned = set(st.out_names)
+    out = []
+    for s in stages:
+        for kind in _BACKWARD:
+            prog = st.programs.get((kind, s))
+            if prog is None:
+                continue
+            for v in prog.inputs:
+                q = st.producer.get(v)
+                if q is None or q[1] != s or q == prog.place or v in returned:
+                    continue
+                if q[0] == "F" or (q[0] == "I" and kind == "W"):
+                    walk = recompute_nodes(st.programs[q], [v], _stops(st, prog.place, {v}, set()))
+                    if walk.ok and walk.copy:
+                        out.append((prog.place, v))
+    return out
+
+
+def checkpointed(st: Staged) -> list[Drop]:
+    """The drops `torch.utils.checkpoint` asks for: saved values made inside a region."""
+    out = []
+    for (kind, s), prog in st.programs.items():
+        if kind not in _BACKWARD:
+            continue
+        f = st.programs.get(("F", s))
+        if f is None:
+            continue
+        node_of = _node_of(f)
+        for v in prog.inputs:
+            n = node_of.get(v) if st.producer.get(v) == ("F", s) else None
+            if n is not None and n.op == "call_function" and tagged(n):
+                out.append((prog.place, v))
+    return out
+
+
+Memo = dict[Any, Any]
+
+
+def apply(base: Staged, drops: Iterable[Drop], memo: Memo | None = None) -> Staged:
+    """`base` with each drop's value recomputed in its program (NOTE [recomputing in the
+    backward]). Drops whose value needs an operation that cannot run again are left out.
+    `memo` (one per `base`) keeps each stage's rewrite by its drops: a stage's drops change only
+    its own programs (and who reads its inputs), so a choice that changes one stage rewrites one."""
+    memo = {} if memo is None else memo
+    drops = set(drops)
+    programs = dict(base.programs)
+    consumers = {k: list(v) for k, v in base.consumers.items()}
+    producer = dict(base.producer)
+    for s in sorted({p[1] for p, _ in drops}):
+        key = (s, frozenset(d for d in drops if d[0][1] == s))
+        if key not in memo:
+            memo[key] = _stage_rewrite(base, set(key[1]))
+        progs, added, removed, made = memo[key]
+        programs.update(progs)
+        producer.update(made)
+        for name, place in removed:
+            consumers[name] = [c for c in consumers.get(name, []) if c != place]
+        for name, place in added:
+            consumers.setdefault(name, []).append(place)
+    returned = set(base.out_names)
+    for q, prog in list(programs.items()):  # a value nobody reads any more is not returned
+        gone = frozenset(n for n in prog.outputs if not consumers.get(n) and n not in returned)
+        if gone:
+            out_key = ("outputs", id(prog), gone)
+            if out_key not in memo:
+                memo[out_key] = (prog, _without_outputs(prog, set(gone)))  # (prog: keeps its id)
+            programs[q] = memo[out_key][1]
+            for n in gone:
+                consumers.pop(n, None)
+                producer.pop(n, None)
+    return dataclasses.replace(base, programs=programs, consumers=consumers, producer=producer)
+
+
+def _stage_rewrite(
+    base: Staged, drops: set[Drop]
+) -> tuple[dict[Place, Program], list[Any], list[Any], dict[str, Place]]:
+    """One stage's drops applied: its new programs, the (value, reader) pairs added and removed,
+    and the values its programs newly return."""
+    st = dataclasses.replace(
+        base,
+        programs=dict(base.programs),
+        consumers={k: list(v) for k, v in base.consumers.items()},
+        producer=dict(base.producer),
+    )
+    by_p: dict[Place, set[str]] = defaultdict(set)
+    for p, v in drops:
+        by_p[p].add(v)
+    order = {"B": 0, "I": 0, "W": 1}
+    for p in sorted(by_p, key=lambda p: order[p[0]]):  # W after I: it may read I's new values
+        _recompute_in(st, p, by_p[p], drops)
+    progs = {k: v for k, v in st.programs.items() if base.programs.get(k) is not v}
+    added, removed = [], []
+    for name in {*st.consumers, *base.consumers}:
+        old, new = base.consumers.get(name, []), st.consumers.get(name, [])
+        added += [(name, c) for c in new if c not in old]
+        removed += [(name, c) for c in old if c not in new]
+    made = {k: v for k, v in st.producer.items() if k not in base.producer}
+    return progs, sorted(added), sorted(removed), made
+
+
+def _recompute_in(st: Staged, p: Place, names: set[str], drops: set[Drop]) -> None:
+    """Rewrite P (and Q, where it must return a region input) in `st`'s dicts, in place."""
+    prog = st.programs[p]
+    by_q: dict[Place, list[str]] = defaultdict(list)
+    for v in sorted(names):
+        by_q[st.producer[v]].append(v)
+    g, val_map = _placeholders_first(prog.gm)
+    phs = {name: val_map[n] for name, n in zip(prog.inputs, prog.gm.graph.find_nodes(op="placeholder"))}
+    inputs = list(prog.inputs)
+    stop = _stops(st, p, names, drops)
+    for q, vs in by_q.items():
+        qprog = st.programs[q]
+        walk = recompute_nodes(qprog, vs, stop)
+        if not walk.ok:
+            continue
+        qnames = _names(qprog)
+        env: dict[fx.Node, fx.Node] = {}
+        kept = []  # region inputs Q must now return, named as in the joint graph (Q is an F:
+        for n in walk.read:  # its graph is never rewritten, so its node names are the joint's)
+            if n not in qnames:
+                assert q[0] == "F" and n.name in st.meta and n.name not in st.producer, n
+                qnames[n] = n.name
+                kept.append(n)
+                st.producer[n.name] = q
+            env[n] = _input(g, phs, inputs, qnames[n], n)
+            if p not in st.consumers.setdefault(qnames[n], []):
+                st.consumers[qnames[n]].append(p)
+        if kept:
+            st.programs[q] = _with_outputs(qprog, kept, [qnames[n] for n in kept])
+        qorder = {n: i for i, n in enumerate(qprog.gm.graph.nodes)}
+        first = min((u for v in vs for u in phs[v].users), key=_position(g), default=None)
+        if first is None:  # nothing reads them
+            walk.copy.clear()
+            first = out_node(g)
+        with g.inserting_before(first):
+            for n in sorted(walk.copy, key=lambda n: qorder.get(n, -1)):
+                env[n] = g.node_copy(n, env.__getitem__)
+        for v in vs:
+            if _node_of(qprog)[v] in walk.read:  # a region's input as well: kept (and read)
+                continue
+            ph = phs.pop(v)
+            ph.replace_all_uses_with(env[_node_of(qprog)[v]])  # qprog: the walked graph
+            g.erase_node(ph)
+            inputs.remove(v)
+            st.consumers[v] = [c for c in st.consumers.get(v, []) if c != p]
+    g.lint()
+    st.programs[p] = dataclasses.replace(prog, gm=fx.GraphModule({}, g), inputs=inputs)
+
+
+def out_node(g: fx.Graph) -> fx.Node:
+    return g.find_nodes(op="output")[0]
+
+
+def _position(g: fx.Graph) -> Any:
+    index = {n: i for i, n in enumerate(g.nodes)}
+    return lambda n: index[n]
+
+
+def _input(g: fx.Graph, phs: dict[str, fx.Node], inputs: list[str], name: str, like: fx.Node) -> fx.Node:
+    """P's input `name`, a new placeholder (after the others, all at the front) if P did not
+    read it."""
+    if name in phs:
+        return phs[name]
+    last = [n for n in g.nodes if n.op == "placeholder"][-1]
+    with g.inserting_after(last):
+        ph = g.placeholder(name)
+    ph.meta.update(like.meta)
+    phs[name] = ph
+    inputs.append(name)
+    return ph
+
+
+def _placeholders_first(gm: fx.GraphModule) -> tuple[fx.Graph, dict[fx.Node, fx.Node]]:
+    """A copy of `gm`'s graph with its placeholders (interleaved with the work, split.py) moved
+    to the front, in their order: a copied operation may then read any input."""
+    g = fx.Graph()
+    val_map: dict[fx.Node, fx.Node] = {}
+    nodes = list(gm.graph.nodes)
+    for n in nodes:
+        if n.op == "placeholder":
+            val_map[n] = g.node_copy(n)
+    for n in nodes:
+        if n.op == "call_function":
+            val_map[n] = g.node_copy(n, lambda d: val_map[d])
+    g.output(fx.map_arg(nodes[-1].args[0], lambda d: val_map[d]))
+    return g, val_map
+
+
+def _with_outputs(prog: Program, nodes: list[fx.Node], names: list[str]) -> Program:
+    """A copy of `prog` also returning `nodes` (region inputs its backward reads) as `names`."""
+    g = fx.Graph()
+    val_map: dict[fx.Node, fx.Node] = {}
+    out = g.graph_copy(prog.gm.graph, val_map)
+    g.output([*out, *(val_map[n] for n in nodes)])  # type: ignore[misc]
+    return dataclasses.replace(prog, gm=fx.GraphModule({}, g), outputs=[*prog.outputs, *names])
+
+
+def _without_outputs(prog: Program, gone: set[str]) -> Program:
+    g = fx.Graph()
+    val_map: dict[fx.Node, fx.Node] = {}
+    out = g.graph_copy(prog.gm.graph, val_map)
+    keep = [i for i, n in enumerate(prog.outputs) if n not in gone]
+    g.output([out[i] for i in keep])  # type: ignore[index]
+    g.eliminate_dead_code(is_impure_node=lambda n: n.op in ("placeholder", "output") or is_mutating(n))
+    return dataclasses.replace(prog, gm=fx.GraphModule({}, g), outputs=[prog.outputs[i] for i in keep])

@@ -1,0 +1,190 @@
+"""`pipeline(..., memory_limit=bytes)` and `torch.utils.checkpoint` regions: values recomputed in
+the backward programs (fpipe/_src/remat.py, remat_choose.py).
+
+Every case checks the gradients against `torch.func.grad` of the unsplit function in float64,
+the prediction against the limit, and the bytes the runner really holds after every action
+(`LocalRunner.record_memory`) against both the prediction and the limit. The resident-set growth
+of real steps under a limit, and which rank recomputes more, are measured in tests/test_memory.py
+(its worker launches): in one process the limit is the process's peak, all stages together.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from memory_worker import CheckpointedGPT
+from models import GPT, MLP, lm_loss
+
+import fpipe
+from fpipe._src import run as run_
+from fpipe._src.rng import seeded
+
+DT = torch.float64
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def gpt(stages: int, cls: type = GPT) -> tuple[Any, dict[str, torch.Tensor], tuple[torch.Tensor, ...]]:
+    """Two blocks: embedding, block, block, head make up to 4 stages."""
+    torch.manual_seed(0)
+    fn, params = fpipe.functionalize(cls(vocab=32, d=32, n_head=2, n_layer=2, seq=16, stages=stages).to(DT))
+    tokens = torch.randint(0, 32, (16, 16))
+    return (lambda p, x, y: lm_loss(fn(p, x), y)), params, (tokens, tokens.roll(1, 1))
+
+
+def mlp(stages: int) -> tuple[Any, dict[str, torch.Tensor], tuple[torch.Tensor, ...]]:
+    torch.manual_seed(0)
+    fn, params = fpipe.functionalize(MLP(d_in=32, hidden=64, d_out=8, n_layers=8, stages=stages).to(DT))
+    x, y = torch.randn(512, 32, dtype=DT), torch.randn(512, 8, dtype=DT)
+    return (lambda p, x, y: (fn(p, x) - y).pow(2).mean()), params, (x, y)
+
+
+def _schedule(name: str, stages: int, m: int) -> Any:
+    pp = stages // 2 if name == "zbv" else stages
+    return fpipe.schedules.build(name, pp=pp, microbatches=m, stages=stages)
+
+
+def _tensors(env: dict[str, Any]) -> dict[Any, torch.Tensor]:
+    """A runner's values, the elements of tuple values too (as tests/test_memory.py counts them)."""
+    out: dict[Any, torch.Tensor] = {}
+    for k, v in env.items():
+        for i, t in enumerate(v if isinstance(v, (tuple, list)) else [v]):
+            if isinstance(t, torch.Tensor):
+                out[k, i] = t
+    return out
+
+
+def _held(piped: fpipe.Pipelined, params: Any, args: tuple[Any, ...]) -> list[tuple[str, int]]:
+    """The bytes the runner holds after each action of one more step (its storages, once each)."""
+    runner = piped._last.runner
+    live = run_.live_bytes
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(run_, "live_bytes", lambda envs, skip=(): live(map(_tensors, envs), skip))
+        runner.record_memory = True
+        fpipe.value_and_grad(piped)(params, *args)
+        runner.record_memory = False
+    return runner.memory
+
+
+def _extra_ops(limited: fpipe.Pipelined, free: fpipe.Pipelined, stage: int) -> int:
+    """Operations the limit added to the stage's backward programs (the recomputation)."""
+
+    def ops(p: fpipe.Pipelined) -> int:
+        st = p._last.staged
+        return sum(prog.n_nodes for (k, s), prog in st.programs.items() if s == stage and k != "F")
+
+    return ops(limited) - ops(free)
+
+
+CASES = [("mlp", "gpipe", 4), ("gpt", "1f1b", 4), ("gpt", "zb-h1", 2), ("gpt", "zbv", 4)]
+
+
+@pytest.mark.parametrize(("model", "schedule", "stages"), CASES)
+def test_a_limit_is_met_with_exact_gradients(model, schedule, stages):
+    loss, params, args = (gpt if model == "gpt" else mlp)(stages)
+    sched = _schedule(schedule, stages, 8)
+    free = fpipe.pipeline(loss, microbatches=8, schedule=sched)
+    unconstrained = free.memory(params, *args)
+    limit = int(0.6 * unconstrained)
+    piped = fpipe.pipeline(loss, microbatches=8, schedule=sched, memory_limit=limit)
+    report = piped.memory_report(params, *args)
+    assert report.peak <= limit < unconstrained
+    value, grads = fpipe.value_and_grad(piped)(params, *args)
+    ref_grads, ref_value = torch.func.grad_and_value(loss)(params, *args)
+    torch.testing.assert_close(value, ref_value)
+    torch.testing.assert_close(grads, ref_grads)
+    held = _held(piped, params, args)
+    assert [(a, h) for a, _, h in report.actions] == held  # the prediction is the runner's account
+    assert max(h for _, h in held) <= limit
+    fpipe.value_and_grad(free)(params, *args)
+    assert sum(_extra_ops(piped, free, s) for s in range(stages)) > 0
+
+
+def test_an_impossible_limit_is_refused_before_anything_runs():
+    loss, params, args = gpt(2)
+    piped = fpipe.pipeline(loss, microbatches=4, schedule="1f1b", memory_limit=1000)
+    msg = (
+        r"pipeline\(<lambda>, microbatches=4\): memory_limit=1000 bytes \(0.0 MiB\) cannot be met "
+        r"on pipeline rank 0: recomputing in the backward what fpipe can, the least this rank's "
+        r"step needs is (\d+) bytes"
+    )
+    with pytest.raises(ValueError, match=msg) as err:
+        fpipe.value_and_grad(piped)(params, *args)
+    assert piped.timeline is None  # nothing ran
+    least = int(re.search(msg, str(err.value)).group(1))  # type: ignore[union-attr]
+    fits = fpipe.pipeline(loss, microbatches=4, schedule="1f1b", memory_limit=least)
+    assert fits.memory(params, *args) <= least  # the least it names is reachable
+
+
+@pytest.mark.parametrize("bad", [0, -5, 1.5, True])
+def test_a_bad_limit_is_refused_at_once(bad):
+    with pytest.raises(ValueError, match="memory_limit must be a positive int"):
+        fpipe.pipeline(lambda p, x: x.sum(), microbatches=2, memory_limit=bad)
+
+
+def test_recomputed_dropout_draws_the_same_mask():
+    """A dropout recomputed in the backward draws the mask its forward drew (seeded per operation
+    and microbatch): the gradients equal those of the same pipeline keeping every value."""
+    torch.manual_seed(0)
+    w1, w2 = torch.randn(32, 64, dtype=DT), torch.randn(64, 8, dtype=DT)
+    x = torch.randn(64, 32, dtype=DT)
+
+    def f(p, x):
+        h = F.dropout(torch.tanh(x @ p["w1"]), 0.5, training=True)
+        h = fpipe.stage_boundary(torch.tanh(h * 2.0))
+        return (F.dropout(h, 0.3, training=True) @ p["w2"]).pow(2).mean()
+
+    params = {"w1": w1, "w2": w2}
+    free = fpipe.pipeline(f, microbatches=4, schedule="1f1b")
+    limit = int(0.7 * free.memory(params, x))
+    piped = fpipe.pipeline(f, microbatches=4, schedule="1f1b", memory_limit=limit)
+    assert piped.memory(params, x) <= limit
+    torch.manual_seed(1)
+    ref = fpipe.value_and_grad(free)(params, x)
+    torch.manual_seed(1)
+    got = fpipe.value_and_grad(piped)(params, x)
+    assert any(
+        n.target is seeded and k != "F"
+        for (k, _), prog in piped._last.staged.programs.items()
+        for n in prog.gm.graph.nodes
+    )  # a dropout did run again in a backward program
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_checkpointed_blocks_are_recomputed(schedule):
+    """torch.utils.checkpoint around every block: less memory held (predicted, and held by the
+    runner), exact gradients, no warning."""
+    loss, params, args = gpt(2, CheckpointedGPT)
+    plain_loss, _, _ = gpt(2)
+    ck = fpipe.pipeline(loss, microbatches=4, schedule=schedule)
+    plain = fpipe.pipeline(plain_loss, microbatches=4, schedule=schedule)
+    value, grads = fpipe.value_and_grad(ck)(params, *args)
+    ref_grads, ref_value = torch.func.grad_and_value(plain_loss)(params, *args)
+    torch.testing.assert_close((value, grads), (ref_value, ref_grads))
+    fpipe.value_and_grad(plain)(params, *args)
+    assert ck.memory(params, *args) < 0.8 * plain.memory(params, *args)
+    assert max(h for _, h in _held(ck, params, args)) < 0.8 * max(h for _, h in _held(plain, params, args))
+
+
+def test_checkpoint_and_limit_together():
+    """A limit on a checkpointed model starts from the regions' recomputation (GPipe: all four
+    microbatches in flight, room to recompute more than the regions)."""
+    loss, params, args = gpt(2, CheckpointedGPT)
+    ck = fpipe.pipeline(loss, microbatches=4, schedule="gpipe")
+    limit = int(0.85 * ck.memory(params, *args))
+    piped = fpipe.pipeline(loss, microbatches=4, schedule="gpipe", memory_limit=limit)
+    _, grads = fpipe.value_and_grad(piped)(params, *args)
+    plain_loss, _, _ = gpt(2)
+    torch.testing.assert_close(grads, torch.func.grad(plain_loss)(params, *args))
+    assert piped.memory(params, *args) <= limit

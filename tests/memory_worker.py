@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint as checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -52,7 +53,29 @@ def gpt() -> Case:
     return loss, params, (torch.randint(0, 256, (64, 64)), torch.randint(0, 256, (64, 64)))
 
 
-MODELS = {"mlp": mlp, "gpt": gpt}
+class CheckpointedGPT(GPT):
+    """`GPT` with `torch.utils.checkpoint` around every block (fpipe recomputes them)."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        x0 = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+        x = fpipe.stage_boundary(x0) if 0 in self.cuts else x0
+        for i, block in enumerate(self.blocks):
+            x = checkpoint.checkpoint(block, x, use_reentrant=False)
+            x = fpipe.stage_boundary(x) if i + 1 in self.cuts else x
+        return self.head(self.ln_f(x) + x0)
+
+
+def gptck() -> Case:
+    fn, params = fpipe.functionalize(CheckpointedGPT(vocab=256, d=128, n_head=4, n_layer=4, seq=64))
+
+    def loss(p: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return lm_loss(fn(p, x), y)
+
+    return loss, params, (torch.randint(0, 256, (64, 64)), torch.randint(0, 256, (64, 64)))
+
+
+MODELS = {"mlp": mlp, "gpt": gpt, "gptck": gptck}
 
 
 def _status(field: str) -> int:
@@ -75,17 +98,33 @@ def rss_growth(step: Callable[[], Any]) -> int:
     return peak - before
 
 
-def measure(name: str) -> dict[str, int]:
-    """Case `name` is `model-schedule-stages-microbatches`, e.g. `mlp-zb-h1-4-8`."""
+def measure(name: str) -> dict[str, Any]:
+    """Case `name` is `model-schedule-stages-microbatches`, e.g. `mlp-zb-h1-4-8`, optionally
+    `@fraction`: under `memory_limit` = that fraction of the unconstrained prediction (then also
+    `limit`, and `grads_equal`: the step's gradients equal the unconstrained pipeline's)."""
+    name, _, frac = name.partition("@")
     head, stages, mbs = name.rsplit("-", 2)
     model, schedule = head.split("-", 1)
     torch.manual_seed(0)
     f, params, args = MODELS[model]()
-    piped = fpipe.pipeline(f, stages=int(stages), microbatches=int(mbs), schedule=schedule)
-    predicted = piped.memory(params, *args)
+    kw: dict[str, Any] = dict(stages=int(stages), microbatches=int(mbs), schedule=schedule)
+    out: dict[str, Any] = {}
+    if frac:
+        free = fpipe.pipeline(f, **kw)
+        out["unconstrained"] = free.memory(params, *args)
+        out["limit"] = kw["memory_limit"] = int(float(frac) * out["unconstrained"])
+        ref = fpipe.value_and_grad(free)(params, *args)[1]
+        del free
+    piped = fpipe.pipeline(f, **kw)
+    out["predicted"] = piped.memory(params, *args)
     step = fpipe.value_and_grad(piped)
-    step(params, *args)
-    return {"predicted": predicted, "measured": rss_growth(lambda: step(params, *args))}
+    grads = step(params, *args)[1]
+    if frac:
+        out["grads_equal"] = all(torch.equal(grads[k], ref[k]) for k in grads)
+        del ref
+    del grads
+    out["measured"] = rss_growth(lambda: step(params, *args))
+    return out
 
 
 def main() -> None:

@@ -65,7 +65,7 @@ def recomputable(node: fx.Node) -> bool:
 def _node_of(prog: Program) -> dict[str, fx.Node]:
     """The node of each value `prog` reads or returns, by value name (by position: a node's own
     name is no value's name once a rewrite has copied nodes in, fx renumbers them)."""
-    out = {}
+    out: dict[str, fx.Node] = {}
     phs = [n for n in prog.gm.graph.nodes if n.op == "placeholder"]
     out.update(zip(prog.inputs, phs))
     ret = prog.gm.graph.find_nodes(op="output")[0].args[0]

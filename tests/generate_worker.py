@@ -1,11 +1,12 @@
-"""Multi-process worker: `fpipe.generate` of GPT-2, Llama and Qwen2 on 2 or 4 gloo ranks.
+"""Multi-process worker: `fpipe.generate` of GPT-2, Llama and Qwen2 on 2 and 4 gloo ranks.
 
-Launched once per rank count by `tests/test_generate_cache.py` (a process group costs seconds to
-start), as
+Launched once by `tests/test_generate_cache.py` (a process group costs seconds to start), as
 
-    torchrun --standalone --nproc-per-node N tests/generate_worker.py --out DIR
+    torchrun --standalone --nproc-per-node 4 tests/generate_worker.py --out DIR
 
-Every rank builds the same tiny models (also imported by the test: `build`, `prompt`) and runs,
+On the 4 processes, a case with pp=4 is one pipeline over all ranks; a case with pp=2 runs on a
+DeviceMesh (dp=2, pp=2): two independent 2-rank pipelines (`generate(..., mesh=mesh)`), each
+generating the same batch. Every rank builds the same tiny models (also imported by the test: `build`, `prompt`) and runs,
 per family: greedy generation of left-padded prompts with 2 microbatches against the unsplit
 `model.generate` (computed here, eager); generation with EOS per sequence against
 `model.generate` with the same EOS; a seeded sampled generation (the test compares it with the
@@ -36,7 +37,9 @@ def build(name: str) -> torch.nn.Module:
     import transformers  # here, not at the top: pytest --doctest-modules imports this file
 
     torch.manual_seed(0)
-    common = dict(vocab_size=VOCAB, bos_token_id=None, eos_token_id=None, pad_token_id=0, initializer_range=0.3)
+    common = dict(
+        vocab_size=VOCAB, bos_token_id=None, eos_token_id=None, pad_token_id=0, initializer_range=0.3
+    )
     if name == "gpt2":
         cfg = transformers.GPT2Config(n_layer=LAYERS, n_embd=32, n_head=4, n_positions=32, **common)
         model = transformers.GPT2LMHeadModel(cfg)
@@ -112,21 +115,21 @@ class Share:
         self.stages, self.ops = Counter(), 0
 
 
-def case(name: str, share: Share) -> dict[str, Any]:
+def case(name: str, share: Share, mesh: Any) -> dict[str, Any]:
     model = build(name)
     ids, mask = prompt()
     expected = reference(model, ids, mask)
     streamer = Recorder()
     share.reset()
-    out = fpipe.generate(model, ids, attention_mask=mask, max_new_tokens=NEW, microbatches=MICROBATCHES, streamer=streamer)
+    kw = dict(attention_mask=mask, max_new_tokens=NEW, microbatches=MICROBATCHES, mesh=mesh)
+    out = fpipe.generate(model, ids, streamer=streamer, **kw)
     res: dict[str, Any] = {"greedy": out.tolist(), "expected": expected.tolist()}
     res.update(stages=dict(share.stages), ops=share.ops, layers=share.layers, cache_bytes=share.cache_bytes)
     res["streamer"] = streamer.calls
     eos = eos_of(expected)
-    res["eos"] = fpipe.generate(model, ids, attention_mask=mask, max_new_tokens=NEW, microbatches=MICROBATCHES, eos_token_id=eos).tolist()
+    res["eos"] = fpipe.generate(model, ids, eos_token_id=eos, **kw).tolist()
     res["eos_expected"] = reference(model, ids, mask, eos_token_id=eos).tolist()
-    sampled = fpipe.generate(model, ids, attention_mask=mask, max_new_tokens=NEW, microbatches=MICROBATCHES, **SAMPLING)
-    res["sampled"] = sampled.tolist()
+    res["sampled"] = fpipe.generate(model, ids, **SAMPLING, **kw).tolist()
     return res
 
 
@@ -138,10 +141,14 @@ def main() -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
+    from torch.distributed.device_mesh import init_device_mesh
+
     rank, results = dist.get_rank(), {}
+    meshes = {4: None, 2: init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))}
     share = Share()
     for name in FAMILIES:
-        results[name] = case(name, share)
+        for pp, mesh in meshes.items():
+            results[f"{name}-pp{pp}"] = case(name, share, mesh)
     with open(f"{args.out}/rank{rank}.json", "w") as f:
         json.dump(results, f)
     dist.barrier()

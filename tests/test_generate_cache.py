@@ -66,7 +66,13 @@ def model_of(name: str) -> torch.nn.Module:
 def run(name: str, stages: int, **kw) -> torch.Tensor:
     ids, mask = prompt()
     return fpipe.generate(
-        model_of(name), ids, attention_mask=mask, max_new_tokens=NEW, microbatches=MICROBATCHES, stages=stages, **kw
+        model_of(name),
+        ids,
+        attention_mask=mask,
+        max_new_tokens=NEW,
+        microbatches=MICROBATCHES,
+        stages=stages,
+        **kw,
     )
 
 
@@ -161,7 +167,9 @@ def test_a_captured_counter_written_in_place_is_refused():
         return (x @ w).sum() + pos.sum()
 
     w, x = torch.eye(3, dtype=torch.float64), torch.ones(2, 3, dtype=torch.float64)
-    with pytest.raises(ValueError, match=r"writes in place into a 0-dim cpu torch.int64 tensor \(a counter\?\)"):
+    with pytest.raises(
+        ValueError, match=r"writes in place into a 0-dim cpu torch.int64 tensor \(a counter\?\)"
+    ):
         fpipe.pipeline(f, microbatches=1)(w, x)
 
 
@@ -204,45 +212,48 @@ def test_refusals_name_what_is_unsupported():
 
 
 # -- on 2 and 4 gloo ranks -------------------------------------------------------------------------
-_LAUNCHED: dict[int, list[dict]] = {}
+WORLD = 4
 
 
-def ranks(world: int, tmp_path_factory) -> list[dict]:
-    """The worker's per-rank results for `world` ranks (one torchrun launch per rank count)."""
-    if world not in _LAUNCHED:
-        out = tmp_path_factory.mktemp(f"generate{world}")
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-            str(WORKER), "--out", str(out),
-        ]  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-        assert proc.returncode == 0, f"worker failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-        _LAUNCHED[world] = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
-    return _LAUNCHED[world]
+@pytest.fixture(scope="module")
+def on_ranks(tmp_path_factory) -> list[dict]:
+    """The worker's per-rank results: one torchrun launch of 4 ranks for the module (pp=4 over
+    all of them; pp=2 as two pipelines on a (dp=2, pp=2) mesh)."""
+    out = tmp_path_factory.mktemp("generate")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
+        str(WORKER), "--out", str(out),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, (
+        f"worker failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    )
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_on_ranks_equals_generate_and_each_rank_does_its_share(world, tmp_path_factory):
-    results = ranks(world, tmp_path_factory)
-    for name in FAMILIES:
-        sampled_here = run(name, 1, **SAMPLING).tolist()
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("pp", [2, 4])
+def test_on_ranks_equals_generate_and_each_rank_does_its_share(on_ranks, pp, name):
+    sampled_here = run(name, 1, **SAMPLING).tolist()
+    _, kv_heads, head_dim = cache_layout(model_of(name))
+    per_layer = 2 * (4 // MICROBATCHES) * kv_heads * (PROMPT + NEW) * head_dim * 8  # K and V, fp64
+    whole = LAYERS * MICROBATCHES * per_layer
+    for first in range(0, WORLD, pp):  # each pipeline: ranks first .. first + pp - 1
         ops = []
-        for rank, res in enumerate(results):
-            case, where = res[name], f"{name}, rank {rank} of {world}"
+        for stage in range(pp):
+            rank = first + stage
+            case, where = on_ranks[rank][f"{name}-pp{pp}"], f"{name}, pp={pp}, rank {rank}"
             assert case["greedy"] == case["expected"], where
             assert case["eos"] == case["eos_expected"] and case["eos"] != case["expected"], where
             assert case["sampled"] == sampled_here, where  # the one-process draws, on every rank
-            assert case["stages"] == {str(rank): 2 * NEW}, where  # its stage only, every (step, microbatch)
-            per = LAYERS // world
-            assert case["layers"] == list(range(rank * per, (rank + 1) * per)), where
+            assert case["stages"] == {str(stage): 2 * NEW}, where  # its stage only, every (step, mb)
+            per = LAYERS // pp
+            assert case["layers"] == list(range(stage * per, (stage + 1) * per)), where
+            assert case["cache_bytes"] == whole // pp, where  # its layers' share of the cache
             ops.append(case["ops"])
-        total = sum(ops)
-        assert all(o < 0.75 * total for o in ops) and all(o > 0 for o in ops), (name, ops)
-        _, kv_heads, head_dim = cache_layout(model_of(name))
-        per_layer = 2 * (4 // MICROBATCHES) * kv_heads * (PROMPT + NEW) * head_dim * 8  # K and V, fp64
-        whole = LAYERS * MICROBATCHES * per_layer
-        assert [res[name]["cache_bytes"] for res in results] == [whole // world] * world, name
-        streamed = results[0][name]["streamer"]
+        assert all(0 < o < 0.75 * sum(ops) for o in ops), (name, pp, ops)
+        head = on_ranks[first][f"{name}-pp{pp}"]
+        streamed = head["streamer"]
         assert streamed[-1] == "end" and len(streamed) == NEW + 2
-        assert torch.equal(torch.tensor(streamed[1:-1]).T, torch.tensor(results[0][name]["greedy"])[:, PROMPT:])
+        assert torch.equal(torch.tensor(streamed[1:-1]).T, torch.tensor(head["greedy"])[:, PROMPT:])

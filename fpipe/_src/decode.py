@@ -24,12 +24,11 @@ import torch.fx as fx
 from torch import nn
 
 from .compiler import _forward_as_joint
-from .execute import current_consts
 from .functionalize import functionalize
 from .kv_cache import SlotCache, inplace_cache_writes
+from .marker import BOUNDARY
 from .split import split
 from .staged import Program, Staged
-from .marker import BOUNDARY
 from .trace import Forward, make_fakes, trace_forward
 
 __all__ = ["Programs", "Shapes", "trace_programs", "decoder_blocks", "cache_layout"]
@@ -54,11 +53,17 @@ class Programs:
     staged: Staged
     names: dict[str, str]  # data input ("ids", ..., "k3", "v3") -> placeholder name
     params: dict[str, str]  # placeholder name -> parameter name
-    consts: dict[str, torch.Tensor]  # placeholder name -> captured tensor (module buffers read now)
+    # placeholder name -> (the captured tensor as traced, the module buffer it is, or None)
+    consts: dict[str, tuple[torch.Tensor, Any]]
     logits: str  # the output value's name
 
     def program(self, stage: int) -> Program:
         return self.staged.programs["F", stage]
+
+    def const(self, name: str) -> torch.Tensor:
+        """A captured tensor's value now: a module buffer as the module holds it at this call."""
+        traced, source = self.consts[name]
+        return traced if source is None else source[0].get_buffer(source[1])
 
     def layers_of(self, stage: int) -> list[int]:
         """The decoder layers whose K/V buffers `stage`'s program reads."""
@@ -69,7 +74,7 @@ class Programs:
 def decoder_blocks(model: nn.Module) -> tuple[str, int]:
     """The path and length of the model's list of decoder blocks (the longest ModuleList)."""
     lists = [(p, len(m)) for p, m in model.named_modules() if isinstance(m, nn.ModuleList)]
-    n_layers = getattr(model.config, "num_hidden_layers", None)
+    n_layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
     lists = [(p, n) for p, n in lists if n == n_layers] or lists
     if not lists:
         raise ValueError(
@@ -92,7 +97,7 @@ def stage_cuts(model: nn.Module, stages: int) -> list[int]:
 
 def cache_layout(model: nn.Module) -> tuple[int, int, int]:
     """(layers, kv heads, head dim) of the model's attention, from its config."""
-    cfg = model.config
+    cfg: Any = model.config
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -139,14 +144,8 @@ def trace_programs(
             "or cross-attention layers). Use model.generate for this model."
         )
     names = [n for n, _ in _param_items(model)]
-    sources = current_consts(call, _Consts(fwd.consts, fwd.sources))
-    return Programs(
-        staged,
-        data,
-        dict(zip(staged.param_inputs, names)),
-        dict(zip(staged.const_inputs, sources)),
-        staged.out_names[0],
-    )
+    consts = dict(zip(staged.const_inputs, zip(fwd.consts, fwd.sources)))
+    return Programs(staged, data, dict(zip(staged.param_inputs, names)), consts, staged.out_names[0])
 
 
 def _param_items(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -194,19 +193,12 @@ def trace_step(call: str, model: nn.Module, shapes: Shapes, device: torch.device
     return trace_forward(call, step, rebuild, fakes, len(names), device, every)
 
 
-@dataclasses.dataclass
-class _Consts:
-    """What `current_consts` reads: the traced captured tensors and where each one lives."""
-
-    consts: list[torch.Tensor]
-    const_sources: list[Any]
-
-
-def _example(shapes: Shapes, n_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> list[torch.Tensor]:
+def _example(
+    shapes: Shapes, n_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> list[torch.Tensor]:
     """Meta tensors of one microbatch's step inputs (traced as fakes on the data's device)."""
     b, q, n = shapes.rows, shapes.q, shapes.max_len
     meta = torch.device("meta")
-    ints = dict(dtype=torch.long, device=meta)
-    data = [torch.empty(b, q, **ints), torch.empty(b, n, **ints), torch.empty(b, q, **ints), torch.empty((), **ints)]
+    data = [torch.empty(s, dtype=torch.long, device=meta) for s in [(b, q), (b, n), (b, q), ()]]
     buf = torch.empty(b, kv_heads, n, head_dim, dtype=dtype, device=meta)
     return [*data, *([buf] * (2 * n_layers))]

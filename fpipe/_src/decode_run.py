@@ -52,10 +52,9 @@ class Feed:
         """The inputs of (step, mb); the token ids only where they are known (`tokens`: the
         microbatch's previous tokens, on stage 0), as only stage 0 reads them."""
         rows = slice(mb * self.rows, (mb + 1) * self.rows)
-        if step == 0:
-            ids, pos, offset = self.prompt[rows], self.positions[rows], 0
-        else:
-            ids, pos, offset = tokens, self.positions[rows, -1:] + step, self.prompt.shape[1] + step - 1
+        ids = self.prompt[rows] if step == 0 else tokens
+        pos = self.positions[rows] if step == 0 else self.positions[rows, -1:] + step
+        offset = 0 if step == 0 else self.prompt.shape[1] + step - 1
         out = {"mask": self.mask[rows], "positions": pos, "offset": torch.tensor(offset)}
         return out if ids is None else {"ids": ids, **out}
 
@@ -63,7 +62,9 @@ class Feed:
 class StageCaches:
     """The K/V buffers of this rank's stages, one set per microbatch, allocated here only."""
 
-    def __init__(self, progs: Programs, stages: list[int], feed: Feed, layout: tuple[int, int, int], dtype: torch.dtype) -> None:
+    def __init__(
+        self, progs: Programs, stages: list[int], feed: Feed, layout: tuple[int, int, int], dtype: torch.dtype
+    ) -> None:
         _, kv_heads, head_dim = layout
         shape = (feed.rows, kv_heads, feed.mask.shape[1], head_dim)
         self.layers = [i for s in stages for i in progs.layers_of(s)]
@@ -76,19 +77,26 @@ class StageCaches:
         return sum(t.nbytes for per_mb in self.buffers for t in per_mb.values())
 
 
-def run_stage(progs: Programs, stage: int, env: dict[str, torch.Tensor], params: dict[str, torch.Tensor]) -> None:
+def run_stage(
+    progs: Programs, stage: int, env: dict[str, torch.Tensor], params: dict[str, torch.Tensor]
+) -> None:
     """Run `stage`'s program on the values in `env` (by data name or value name); add its outputs."""
     prog = progs.program(stage)
-    by_name = {n: env[k] for k, n in progs.names.items() if k in env}
+    values = {n: env[k] for k, n in progs.names.items() if k in env}  # data inputs by placeholder
+    values.update((n, params[p]) for n, p in progs.params.items())
     args = [
-        params[progs.params[n]] if n in progs.params else progs.consts[n] if n in progs.consts else by_name[n] if n in by_name else env[n]
-        for n in prog.inputs
+        values[n] if n in values else progs.const(n) if n in progs.consts else env[n] for n in prog.inputs
     ]
     env.update(zip(prog.outputs, prog.gm(*args)))
 
 
 def run_local(
-    programs: Callable[[int], Programs], params: dict[str, torch.Tensor], feed: Feed, caches: StageCaches, select: Select, on_step: OnStep
+    programs: Callable[[int], Programs],
+    params: dict[str, torch.Tensor],
+    feed: Feed,
+    caches: StageCaches,
+    select: Select,
+    on_step: OnStep,
 ) -> list[list[torch.Tensor]]:
     """Every stage in this process, in order at each (step, microbatch); `on_step` returning
     True after a step ends the generation early (every sequence finished). Returns
@@ -98,7 +106,10 @@ def run_local(
         progs = programs(step)
         row = []
         for mb in range(feed.microbatches):
-            env: dict[str, Any] = {**feed.data(step, mb, tokens[-1][mb] if step else None), **caches.buffers[mb]}
+            env: dict[str, Any] = {
+                **feed.data(step, mb, tokens[-1][mb] if step else None),
+                **caches.buffers[mb],
+            }
             for stage in range(progs.staged.n_stages):
                 run_stage(progs, stage, env, params)
             row.append(select(env[progs.logits], step, mb))
@@ -109,7 +120,14 @@ def run_local(
 
 
 def run_rank(
-    programs: Callable[[int], Programs], params: dict[str, torch.Tensor], feed: Feed, caches: StageCaches, select: Select, pg: PPGroup, timeout: float, on_step: OnStep
+    programs: Callable[[int], Programs],
+    params: dict[str, torch.Tensor],
+    feed: Feed,
+    caches: StageCaches,
+    select: Select,
+    pg: PPGroup,
+    timeout: float,
+    on_step: OnStep,
 ) -> list[list[torch.Tensor]]:
     """This rank's stage (stage = rank) over every (step, microbatch) (NOTE [the decode
     schedule]). Rank 0 returns tokens[step][mb] (the last rank sends every token back to it),
@@ -136,11 +154,17 @@ class _Rank:
         self.reaper.timeout = timeout
         self.where = "setup"
 
-    def run(self, programs: Callable[[int], Programs], params: dict[str, torch.Tensor], caches: StageCaches, select: Select) -> list[list[torch.Tensor]]:
+    def run(
+        self,
+        programs: Callable[[int], Programs],
+        params: dict[str, torch.Tensor],
+        caches: StageCaches,
+        select: Select,
+    ) -> list[list[torch.Tensor]]:
         feed, tokens = self.feed, []
         for step in range(feed.steps):
             progs = programs(step)
-            row = []
+            row: list[Any] = []  # on stage 0: the tokens of the step before
             for mb in range(feed.microbatches):
                 self.where = f"step {step} (stage {self.stage}, microbatch {mb})"
                 fed = self._token(step - 1, mb) if self.stage == 0 and step else None
@@ -166,7 +190,14 @@ class _Rank:
         for src in range(self.stage):
             names = [n for n in progs.program(src).outputs if n in mine]
             if names:
-                got.update(zip(names, self._recv(progs, names, src, f"stage {src}'s outputs for step {step}, microbatch {mb}")))
+                got.update(
+                    zip(
+                        names,
+                        self._recv(
+                            progs, names, src, f"stage {src}'s outputs for step {step}, microbatch {mb}"
+                        ),
+                    )
+                )
         return got
 
     def _recv(self, progs: Programs, names: list[str], src: int, what: str) -> list[torch.Tensor]:
@@ -174,12 +205,23 @@ class _Rank:
         return [_laid_out(progs, n, b) for n, b in zip(names, self._recv_raw(bufs, src, what))]
 
     def _token(self, step: int, mb: int) -> torch.Tensor:
-        (tok,) = self._recv_raw([torch.empty(self.feed.rows, 1, dtype=torch.long)], self.last, f"the tokens of step {step}, microbatch {mb}")
+        (tok,) = self._recv_raw(
+            [torch.empty(self.feed.rows, 1, dtype=torch.long)],
+            self.last,
+            f"the tokens of step {step}, microbatch {mb}",
+        )
         return tok
 
     def _recv_raw(self, bufs: list[torch.Tensor], src: int, what: str) -> list[torch.Tensor]:
-        works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, b, self.pg.global_rank(src), self.pg.group) for b in bufs])
-        self.pg.wait_all(works, self.timeout, functools.partial(str, f"at {self.where} receiving {what} from rank {src}"), src)
+        works = dist.batch_isend_irecv(
+            [dist.P2POp(dist.irecv, b, self.pg.global_rank(src), self.pg.group) for b in bufs]
+        )
+        self.pg.wait_all(
+            works,
+            self.timeout,
+            functools.partial(str, f"at {self.where} receiving {what} from rank {src}"),
+            src,
+        )
         return bufs
 
     def _send(self, progs: Programs, env: dict[str, Any], step: int, mb: int, select: Select) -> None:
@@ -187,7 +229,9 @@ class _Rank:
         for dst in range(self.stage + 1, self.last + 1):
             names = [n for n in prog.outputs if n in set(progs.program(dst).inputs)]
             if names:
-                self._isend([env[n].contiguous() for n in names], dst, f"step {step}, microbatch {mb}'s values")
+                self._isend(
+                    [env[n].contiguous() for n in names], dst, f"step {step}, microbatch {mb}'s values"
+                )
         if self.stage == self.last:
             self._isend([select(env[progs.logits], step, mb)], 0, f"step {step}, microbatch {mb}'s tokens")
 

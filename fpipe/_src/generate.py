@@ -110,7 +110,9 @@ def generate(
             new = torch.cat([torch.cat(row) for row in tokens], dim=1)
         else:
             pg.begin_call()
-            tokens = run_rank(programs, params, feed, caches, _select(selector, feed), pg, DEFAULT_TIMEOUT, progress.step)
+            tokens = run_rank(
+                programs, params, feed, caches, _select(selector, feed), pg, DEFAULT_TIMEOUT, progress.step
+            )
             new = _everywhere(pg, tokens, input_ids.shape[0], max_new_tokens)
     progress.end()
     return torch.cat([input_ids, new[:, : progress.length(new)].to(input_ids.dtype)], dim=1)
@@ -162,7 +164,11 @@ def _select(selector: Selector, feed: Feed) -> Callable[[torch.Tensor, int, int]
 
 def _everywhere(pg: PPGroup, tokens: list[list[torch.Tensor]], batch: int, new: int) -> torch.Tensor:
     """Rank 0's tokens [batch, new] on every rank (one broadcast)."""
-    out = torch.cat([torch.cat(row) for row in tokens], dim=1) if tokens else torch.empty(batch, new, dtype=torch.long)
+    out = (
+        torch.cat([torch.cat(row) for row in tokens], dim=1)
+        if tokens
+        else torch.empty(batch, new, dtype=torch.long)
+    )
     return pg.broadcast(out.contiguous(), 0, DEFAULT_TIMEOUT, "broadcasting the generated tokens from rank 0")
 
 

@@ -41,9 +41,13 @@ def check_call(
     call = f"fpipe.generate({type(model).__name__}, microbatches={microbatches}, stages={stages})"
     _check_model(call, model)
     if ids.dim() != 2 or ids.dtype != torch.long:
-        raise ValueError(f"{call}: input_ids must be a [batch, prompt] long tensor, not {ids.dtype} of shape {tuple(ids.shape)}.")
+        raise ValueError(
+            f"{call}: input_ids must be a [batch, prompt] long tensor, not {ids.dtype} of shape {tuple(ids.shape)}."
+        )
     if mask is not None and mask.shape != ids.shape:
-        raise ValueError(f"{call}: attention_mask has shape {tuple(mask.shape)}, input_ids {tuple(ids.shape)}; pass one of the same shape.")
+        raise ValueError(
+            f"{call}: attention_mask has shape {tuple(mask.shape)}, input_ids {tuple(ids.shape)}; pass one of the same shape."
+        )
     if not isinstance(new, int) or new < 1:
         raise ValueError(f"{call}: max_new_tokens={new!r} must be a positive int.")
     if ids.shape[0] % microbatches:
@@ -57,9 +61,13 @@ def check_call(
 def _check_model(call: str, model: nn.Module) -> None:
     cfg = getattr(model, "config", None)
     if cfg is None or not hasattr(model, "generation_config"):
-        raise TypeError(f"{call}: the model must be a transformers causal LM (a PreTrainedModel with a generation_config).")
+        raise TypeError(
+            f"{call}: the model must be a transformers causal LM (a PreTrainedModel with a generation_config)."
+        )
     if getattr(cfg, "is_encoder_decoder", False):
-        raise ValueError(f"{call}: encoder-decoder models are not supported (only decoder-only causal LMs); use model.generate.")
+        raise ValueError(
+            f"{call}: encoder-decoder models are not supported (only decoder-only causal LMs); use model.generate."
+        )
     layer_types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
     if layer_types != {"full_attention"}:
         raise ValueError(
@@ -68,8 +76,10 @@ def _check_model(call: str, model: nn.Module) -> None:
             "Use model.generate for this model."
         )
     if model.training:
-        raise ValueError(f"{call}: the model is in training mode (dropout would be active); call model.eval() first.")
-    gc = model.generation_config
+        raise ValueError(
+            f"{call}: the model is in training mode (dropout would be active); call model.eval() first."
+        )
+    gc: Any = model.generation_config
     set_ = [k for k, default in _PROCESSORS.items() if getattr(gc, k, default) not in (default, None, [], {})]
     if set_:
         raise ValueError(
@@ -94,7 +104,7 @@ def stage_count(call: str, model: nn.Module, stages: int | None, pg: PPGroup | N
 def eos_and_pad(model: nn.Module, eos_token_id: Any) -> tuple[list[int], int | None]:
     """The EOS ids (the argument, else the generation_config's) and the pad token a finished
     sequence gets (generation_config.pad_token_id, else the first EOS id, as transformers does)."""
-    gc = model.generation_config
+    gc: Any = model.generation_config
     eos = gc.eos_token_id if eos_token_id is None else eos_token_id
     ids = [] if eos is None else [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
     pad = gc.pad_token_id if gc.pad_token_id is not None else (ids[0] if ids else None)

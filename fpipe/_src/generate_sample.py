@@ -35,11 +35,17 @@ class Selector:
     def __init__(self, rule: Sampling, batch: int, eos: list[int], pad: int | None) -> None:
         self.rule, self.eos, self.pad = rule, torch.tensor(eos, dtype=torch.long), pad
         self.unfinished = torch.ones(batch, dtype=torch.bool)
-        self.gens = [torch.Generator().manual_seed(_mix(rule.seed, row)) for row in range(batch)] if rule.do_sample else []
+        self.gens = (
+            [torch.Generator().manual_seed(_mix(rule.seed, row)) for row in range(batch)]
+            if rule.do_sample
+            else []
+        )
 
     def __call__(self, logits: torch.Tensor, rows: slice) -> torch.Tensor:
         """The next token of sequences `rows` ([rows, 1], long) from their logits [rows, vocab]."""
-        scores = logits.detach().float() if logits.dtype in (torch.float16, torch.bfloat16) else logits.detach()
+        scores = (
+            logits.detach().float() if logits.dtype in (torch.float16, torch.bfloat16) else logits.detach()
+        )
         tokens = self._draw(scores, rows) if self.rule.do_sample else scores.argmax(-1)
         alive = self.unfinished[rows]
         if self.pad is not None:  # a finished sequence gets the pad token, as transformers does

@@ -46,18 +46,24 @@ class SlotLayer(CacheLayerMixin):
         index = torch.arange(key_states.shape[-2], device=key_states.device) + self.offset
         # out of place, so the trace has no mutation to functionalize (a second trace's time);
         # `inplace_cache_writes` makes each write in place on the program's own buffer
-        self.keys = torch.index_copy(self.keys, 2, index, key_states)
-        self.values = torch.index_copy(self.values, 2, index, value_states)
-        return self.keys, self.values
+        keys = torch.index_copy(_tensor(self.keys), 2, index, key_states)
+        values = torch.index_copy(_tensor(self.values), 2, index, value_states)
+        self.keys, self.values = keys, values
+        return keys, values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.keys.shape[2], 0
+        return _tensor(self.keys).shape[2], 0
 
     def get_seq_length(self) -> Any:  # a tensor: the position stays data
         return self.offset
 
     def get_max_length(self) -> int:
-        return self.keys.shape[2]
+        return _tensor(self.keys).shape[2]
+
+
+def _tensor(t: torch.Tensor | None) -> torch.Tensor:
+    assert t is not None  # set at construction
+    return t
 
 
 class SlotCache(Cache):

@@ -69,7 +69,11 @@ class StageCaches:
         shape = (feed.rows, kv_heads, feed.mask.shape[1], head_dim)
         self.layers = [i for s in stages for i in progs.layers_of(s)]
         self.buffers = [
-            {f"{kind}{i}": torch.zeros(shape, dtype=dtype) for i in self.layers for kind in "kv"}
+            {
+                f"{kind}{i}": torch.zeros(shape, dtype=dtype, device=feed.prompt.device)
+                for i in self.layers
+                for kind in "kv"
+            }
             for _ in range(feed.microbatches)
         ]
 
@@ -201,12 +205,15 @@ class _Rank:
         return got
 
     def _recv(self, progs: Programs, names: list[str], src: int, what: str) -> list[torch.Tensor]:
-        bufs = [torch.empty(progs.staged.meta[n][0], dtype=progs.staged.meta[n][1]) for n in names]
+        bufs = [
+            torch.empty(progs.staged.meta[n][0], dtype=progs.staged.meta[n][1], device=self.pg.device)
+            for n in names
+        ]
         return [_laid_out(progs, n, b) for n, b in zip(names, self._recv_raw(bufs, src, what))]
 
     def _token(self, step: int, mb: int) -> torch.Tensor:
         (tok,) = self._recv_raw(
-            [torch.empty(self.feed.rows, 1, dtype=torch.long)],
+            [torch.empty(self.feed.rows, 1, dtype=torch.long, device=self.pg.device)],
             self.last,
             f"the tokens of step {step}, microbatch {mb}",
         )
@@ -245,4 +252,4 @@ def _laid_out(progs: Programs, name: str, buf: torch.Tensor) -> torch.Tensor:
     stride = progs.staged.strides.get(name)
     if stride is None:
         return buf
-    return torch.empty_strided(buf.shape, stride, dtype=buf.dtype).copy_(buf)
+    return torch.empty_strided(buf.shape, stride, dtype=buf.dtype, device=buf.device).copy_(buf)

@@ -9,6 +9,7 @@ stage 0 and, at the end, to every rank.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .agree import check_same_signature
 from .decode import Programs, Shapes, cache_layout, trace_programs
 from .decode_run import Feed, StageCaches, run_local, run_rank
 from .dist import DEFAULT_TIMEOUT, PPGroup, pp_group
@@ -110,12 +112,26 @@ def generate(
             new = torch.cat([torch.cat(row) for row in tokens], dim=1)
         else:
             pg.begin_call()
+            _same_on_every_rank(
+                call, pg, input_ids, mask, (max_new_tokens, microbatches, eos, pad), rule, seed
+            )
             tokens = run_rank(
                 programs, params, feed, caches, _select(selector, feed), pg, DEFAULT_TIMEOUT, progress.step
             )
             new = _everywhere(pg, tokens, input_ids.shape[0], max_new_tokens)
     progress.end()
     return torch.cat([input_ids, new[:, : progress.length(new)].to(input_ids.dtype)], dim=1)
+
+
+def _same_on_every_rank(
+    call: str, pg: PPGroup, ids: torch.Tensor, mask: torch.Tensor, settings: Any, rule: Sampling, seed: Any
+) -> None:
+    """Every rank must pass the same prompts and settings (each computes positions and masks
+    from its own; rank 0 feeds its prompts): one all-gather of a digest, before any transfer.
+    An unseeded draw's seed matters on the last rank only."""
+    rule = rule if seed is not None else dataclasses.replace(rule, seed=0)
+    key = (ids.tolist(), mask.tolist(), settings, rule)
+    check_same_signature(call, pg, key, [tuple(ids.shape), tuple(mask.shape)], DEFAULT_TIMEOUT)
 
 
 def _group(mesh: Any) -> PPGroup | None:

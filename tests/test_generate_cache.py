@@ -236,6 +236,9 @@ def on_ranks(tmp_path_factory) -> list[dict]:
 @pytest.mark.parametrize("pp", [2, 4])
 def test_on_ranks_equals_generate_and_each_rank_does_its_share(on_ranks, pp, name):
     sampled_here = run(name, 1, **SAMPLING).tolist()
+    ids, mask = prompt()
+    expected = reference(model_of(name), ids, mask)
+    eos_expected = reference(model_of(name), ids, mask, eos_token_id=eos_of(expected)).tolist()
     _, kv_heads, head_dim = cache_layout(model_of(name))
     per_layer = 2 * (4 // MICROBATCHES) * kv_heads * (PROMPT + NEW) * head_dim * 8  # K and V, fp64
     whole = LAYERS * MICROBATCHES * per_layer
@@ -244,8 +247,8 @@ def test_on_ranks_equals_generate_and_each_rank_does_its_share(on_ranks, pp, nam
         for stage in range(pp):
             rank = first + stage
             case, where = on_ranks[rank][f"{name}-pp{pp}"], f"{name}, pp={pp}, rank {rank}"
-            assert case["greedy"] == case["expected"], where
-            assert case["eos"] == case["eos_expected"] and case["eos"] != case["expected"], where
+            assert case["greedy"] == expected.tolist(), where
+            assert case["eos"] == eos_expected and eos_expected != expected.tolist(), where
             assert case["sampled"] == sampled_here, where  # the one-process draws, on every rank
             assert case["stages"] == {str(stage): 2 * NEW}, where  # its stage only, every (step, mb)
             per = LAYERS // pp

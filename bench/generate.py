@@ -27,17 +27,13 @@ the last eighth of the steps; for fpipe.generate from its streamer's calls on ra
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-import fpipe  # noqa: E402
+import fpipe
 
 
 def build(args: argparse.Namespace) -> torch.nn.Module:

@@ -12,6 +12,8 @@ ids)`, no gradients) and appends the argmax of the last position. Two ways to fe
   for models whose padding could matter; here it changes nothing).
 
 Both produce exactly the tokens of `model.generate(..., do_sample=False)` on the unsplit model.
+They work for any function; for transformers causal LMs `fpipe.generate` is the cached path
+(tests/test_generate_cache.py), and bench/generate.py times both.
 """
 
 from __future__ import annotations

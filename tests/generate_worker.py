@@ -4,7 +4,8 @@ Launched once by `tests/test_generate_cache.py` (a process group costs seconds t
 
     torchrun --standalone --nproc-per-node 4 tests/generate_worker.py --out DIR
 
-On the 4 processes, a case with pp=4 is one pipeline over all ranks; a case with pp=2 runs on a
+Last, a failure: one rank's stage raises mid-generation, and every rank records the error it got
+(`fail{R}.json`). On the 4 processes, a case with pp=4 is one pipeline over all ranks; a case with pp=2 runs on a
 DeviceMesh (dp=2, pp=2): two independent 2-rank pipelines (`generate(..., mesh=mesh)`), each
 generating the same batch. Every rank builds the same tiny models (also imported by the test: `build`, `prompt`) and runs,
 per family: greedy generation of left-padded prompts with 2 microbatches; generation with EOS
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import time
 from collections import Counter
 from typing import Any
 
@@ -149,7 +152,37 @@ def main() -> None:
     with open(f"{args.out}/rank{rank}.json", "w") as f:
         json.dump(results, f)
     dist.barrier()
-    dist.destroy_process_group()
+    fail(model, rank, args.out)
+
+
+FAILING_RANK = 2
+
+
+def fail(model: torch.nn.Module, rank: int, out: str) -> None:
+    """Last: rank 2's stage raises at step 2 of a 4-rank generation. Every rank records what it
+    raised and how long that took, then leaves at once with status 0 (so torchrun lets the
+    others finish theirs; the process group is broken, so no teardown)."""
+    from fpipe._src import decode_run
+
+    inner = decode_run.run_stage
+
+    def failing(progs: Any, stage: int, env: Any, params: Any) -> None:
+        if rank == FAILING_RANK and int(env["offset"]) > PROMPT:
+            raise RuntimeError("injected failure")
+        inner(progs, stage, env, params)
+
+    decode_run.run_stage = failing
+    ids, mask = prompt()
+    start = time.monotonic()
+    try:
+        fpipe.generate(model, ids, attention_mask=mask, max_new_tokens=NEW, microbatches=MICROBATCHES)
+        record = {"error": None}
+    except Exception as err:
+        record = {"error": f"{type(err).__name__}: {err}"}
+    record["seconds"] = time.monotonic() - start
+    with open(f"{out}/fail{rank}.json", "w") as f:
+        json.dump(record, f)
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import fpipe
 transformers = pytest.importorskip("transformers")
 
 from generate_worker import (  # noqa: E402  (after the importorskip)
+    FAILING_RANK,
     FAMILIES,
     LAYERS,
     MICROBATCHES,
@@ -229,7 +230,26 @@ def on_ranks(tmp_path_factory) -> list[dict]:
     assert proc.returncode == 0, (
         f"worker failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     )
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return [
+        {
+            **json.loads((out / f"rank{r}.json").read_text()),
+            "fail": json.loads((out / f"fail{r}.json").read_text()),
+        }
+        for r in range(WORLD)
+    ]
+
+
+def test_a_failing_rank_stops_every_rank_naming_it(on_ranks):
+    """NOTE [failures never hang]: rank 2's stage raises at step 2; it reports where, and every
+    other rank stops within seconds naming rank 2 (the default timeout is 300 s)."""
+    for rank, res in enumerate(on_ranks):
+        err, where = res["fail"]["error"], f"rank {rank}: {res['fail']}"
+        assert err is not None and res["fail"]["seconds"] < 60, where
+        assert "rank 2 failed at step 2 (stage 2, microbatch 0): RuntimeError: injected failure" in err, where
+        if rank == FAILING_RANK:
+            assert err.startswith("RuntimeError: fpipe rank 2 failed"), where
+        else:
+            assert err.startswith(f"PeerFailure: fpipe rank {rank}: stopping while at step"), where
 
 
 @pytest.mark.parametrize("name", FAMILIES)

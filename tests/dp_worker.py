@@ -344,7 +344,9 @@ def planned() -> dict[str, Any]:
     )
     want_grads, want_loss = torch.func.grad_and_value(plain)(params, x, y)
     verified = p.candidates[: p.verified]
+    again = fpipe.plan(plain, params, x, y, world_size=4, optimizer="sgd", budget_s=4.0, verify=2)
     return {
+        "again": [again.measure_s, again.measured_step_s == p.measured_step_s, again.layout == p.layout],
         "layout": [p.layout, p.stages, list(p.cuts)],
         "verified": [[c.layout, c.predicted_step_s, c.measured_step_s] for c in verified],
         "measured": p.measured_step_s,

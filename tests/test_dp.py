@@ -173,5 +173,6 @@ def test_plan_is_the_same_on_every_rank_verified_and_exact(ranks):
     assert recs[0]["measured"] == measured[0] and recs[0]["layout"][0] == verified[0][0]
     for r in recs:
         assert r["loss_err"] < TOL and r["grad_err"] < TOL, r
+    assert all(r["again"] == [0.0, True, True] for r in recs), recs  # a second call: all cached
     covered = set().union(*(r["keys"] for r in recs))  # every parameter's gradient on some rank
     assert covered == set(EXPECTED_KEYS["mlp"])

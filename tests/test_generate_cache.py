@@ -177,7 +177,11 @@ def test_a_captured_counter_written_in_place_is_refused():
 def test_a_closed_over_static_cache_is_refused():
     """The experiment docs/MODELS.md described: transformers' StaticCache closed over by a
     decode step gave wrong tokens silently (its length is a captured 0-dim tensor)."""
-    model = model_of("llama")
+    cfg = transformers.LlamaConfig(
+        num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=64, pad_token_id=0,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(cfg).eval()  # one block: the refusal comes after the trace
     fn, params = fpipe.functionalize(model)
     ids, _ = prompt()
     cache = transformers.StaticCache(config=model.config, max_cache_len=16)

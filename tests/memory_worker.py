@@ -109,22 +109,34 @@ def measure(name: str) -> dict[str, Any]:
     f, params, args = MODELS[model]()
     kw: dict[str, Any] = dict(stages=int(stages), microbatches=int(mbs), schedule=schedule)
     out: dict[str, Any] = {}
-    if frac:
+    if frac:  # one limit for every rank: the fraction of the largest rank's peak
         free = fpipe.pipeline(f, **kw)
         out["unconstrained"] = free.memory(params, *args)
-        out["limit"] = kw["memory_limit"] = int(float(frac) * out["unconstrained"])
+        most = torch.tensor(out["unconstrained"])
+        if dist.is_initialized():
+            dist.all_reduce(most, dist.ReduceOp.MAX)
+        out["limit"] = kw["memory_limit"] = int(float(frac) * int(most))
         ref = fpipe.value_and_grad(free)(params, *args)[1]
+        free_ops = _backward_ops(free)
         del free
     piped = fpipe.pipeline(f, **kw)
     out["predicted"] = piped.memory(params, *args)
     step = fpipe.value_and_grad(piped)
     grads = step(params, *args)[1]
     if frac:
-        out["grads_equal"] = all(torch.equal(grads[k], ref[k]) for k in grads)
+        out["grads_equal"] = all(torch.equal(grads[k], ref[k]) for k in grads if not grads[k].is_meta)
+        out["recomputed_ops"] = _backward_ops(piped) - free_ops
         del ref
     del grads
     out["measured"] = rss_growth(lambda: step(params, *args))
     return out
+
+
+def _backward_ops(piped: fpipe.Pipelined) -> int:
+    """The operations of this rank's backward programs (recomputation adds to them)."""
+    st = piped._last.staged  # type: ignore[union-attr]
+    mine = set(piped.local_stages)
+    return sum(p.n_nodes for (k, s), p in st.programs.items() if k != "F" and s in mine)
 
 
 def main() -> None:

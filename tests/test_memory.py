@@ -26,7 +26,9 @@ from fpipe._src import run as run_
 
 WORKER = Path(__file__).resolve().parent / "memory_worker.py"
 CASES = ["mlp-gpipe-4-8", "mlp-1f1b-4-8", "mlp-zb-h1-4-8", "gpt-gpipe-4-8", "gpt-1f1b-4-8"]
+CASES += ["gpt-zb-h1-4-8@0.6", "gptck-1f1b-4-8"]  # under memory_limit (0.6 x the peak); checkpointed
 GROUP_CASES = ["gpt-1f1b-2-8", "gpt-zbv-4-8"]  # 2 ranks; zbv: 2 stages per rank
+GROUP_CASES += ["gpt-1f1b-2-8@0.75", "gpt-zbv-4-8@0.75"]  # one limit: 0.75 x the larger rank's peak
 MMAP = {"MALLOC_MMAP_THRESHOLD_": "131072"}  # freed tensors leave the resident set
 
 
@@ -93,6 +95,30 @@ def test_1f1b_less_than_gpipe_and_zero_bubble_w_inputs_counted(measured):
     zb, one_f_one_b = measured["mlp-zb-h1-4-8"], measured["mlp-1f1b-4-8"]
     for kind in ("predicted", "measured"):
         assert zb[kind] > 1.2 * one_f_one_b[kind]
+
+
+def _under_limit(m: dict[str, Any]) -> None:
+    assert m["grads_equal"], m  # bit for bit the unconstrained pipeline's gradients
+    assert m["predicted"] <= m["limit"] < m["unconstrained"], m  # a limit that binds, met
+    assert m["measured"] <= m["limit"], m  # the real resident-set growth
+
+
+def test_a_memory_limit_is_met_in_one_process(measured):
+    _under_limit(measured["gpt-zb-h1-4-8@0.6"])
+
+
+def test_a_memory_limit_is_met_on_each_rank(measured_ranks):
+    for case in ("gpt-1f1b-2-8@0.75", "gpt-zbv-4-8@0.75"):
+        assert len(measured_ranks[case]) == 2
+        for m in measured_ranks[case]:
+            _under_limit(m)
+            assert m["recomputed_ops"] > 0  # each rank had to recompute to fit
+
+
+def test_checkpointed_blocks_hold_less(measured):
+    """torch.utils.checkpoint around every block, recomputed: less resident-set growth."""
+    ck, plain = measured["gptck-1f1b-4-8"], measured["gpt-1f1b-4-8"]
+    assert ck["measured"] < 0.8 * plain["measured"], (ck, plain)
 
 
 def _tensors(env: dict[str, Any]) -> dict[Any, torch.Tensor]:

@@ -95,10 +95,10 @@ def test_a_limit_is_met_with_exact_gradients(model, schedule, stages):
     sched = _schedule(schedule, stages, 8)
     free = fpipe.pipeline(loss, microbatches=8, schedule=sched)
     unconstrained = free.memory(params, *args)
-    limit = int(0.6 * unconstrained)
+    limit = int(0.7 * unconstrained)
     piped = fpipe.pipeline(loss, microbatches=8, schedule=sched, memory_limit=limit)
     report = piped.memory_report(params, *args)
-    assert report.peak <= limit < unconstrained
+    assert report.peak <= 0.9 * limit and limit < unconstrained  # 10 % headroom
     value, grads = fpipe.value_and_grad(piped)(params, *args)
     ref_grads, ref_value = torch.func.grad_and_value(loss)(params, *args)
     torch.testing.assert_close(value, ref_value)
@@ -116,14 +116,41 @@ def test_an_impossible_limit_is_refused_before_anything_runs():
     msg = (
         r"pipeline\(<lambda>, microbatches=4\): memory_limit=1000 bytes \(0.0 MiB\) cannot be met "
         r"on pipeline rank 0: recomputing in the backward what fpipe can, the least this rank's "
-        r"step needs is (\d+) bytes"
+        r"step needs is (\d+) bytes \(.*\), so the least limit fpipe can meet is "
+        r"memory_limit=(\d+) \(it keeps 10% below the limit"
     )
     with pytest.raises(ValueError, match=msg) as err:
         fpipe.value_and_grad(piped)(params, *args)
     assert piped.timeline is None  # nothing ran
-    least = int(re.search(msg, str(err.value)).group(1))  # type: ignore[union-attr]
+    needs, least = map(int, re.search(msg, str(err.value)).groups())  # type: ignore[union-attr]
     fits = fpipe.pipeline(loss, microbatches=4, schedule="1f1b", memory_limit=least)
-    assert fits.memory(params, *args) <= least  # the least it names is reachable
+    assert fits.memory(params, *args) <= needs < least  # the least limit it names is met
+
+
+def test_values_of_stages_holding_more_microbatches_are_dropped_first():
+    """The ranking (NOTE [meeting a memory limit]): bytes x microbatches of the stage in flight at
+    the peak / cost. Of two equal stages (an MLP's stages 1 and 2: two equal layers each), the
+    one holding more microbatches drops first, and a stage holding none at the peak drops
+    nothing."""
+    from fpipe._src import remat, remat_choose
+    from fpipe._src.memory import MemoryReport, StageMemory
+
+    loss, params, args = mlp(4)
+    piped = fpipe.pipeline(loss, microbatches=4, schedule="1f1b")
+    piped.memory(params, *args)
+    st = next(iter(piped._cache.values())).staged
+    pool = remat.candidates(st, range(4))
+    cost = {c: remat_choose._cost(st, c) for c in pool}
+
+    def first(flight: list[int], excess: int = 1) -> set[int]:
+        rows = tuple(StageMemory(s, s, 0, 0, 0, f, 0) for s, f in enumerate(flight))
+        return {
+            p[1] for p, _ in remat_choose._batch(st, pool, set(), cost, MemoryReport(0, "", rows, ()), excess)
+        }
+
+    assert first([0, 3, 2, 0]) == {1}
+    assert first([0, 2, 3, 0]) == {2}
+    assert first([4, 3, 2, 0], 10**12) == {0, 1, 2}  # stage 3 holds nothing at the peak
 
 
 @pytest.mark.parametrize("bad", [0, -5, 1.5, True])
@@ -182,7 +209,7 @@ def test_checkpoint_and_limit_together():
     microbatches in flight, room to recompute more than the regions)."""
     loss, params, args = gpt(2, CheckpointedGPT)
     ck = fpipe.pipeline(loss, microbatches=4, schedule="gpipe")
-    limit = int(0.85 * ck.memory(params, *args))
+    limit = int(0.92 * ck.memory(params, *args))
     piped = fpipe.pipeline(loss, microbatches=4, schedule="gpipe", memory_limit=limit)
     _, grads = fpipe.value_and_grad(piped)(params, *args)
     plain_loss, _, _ = gpt(2)

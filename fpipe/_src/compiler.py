@@ -108,7 +108,7 @@ class Compiler:
             # Trace outside any active torch.func transform (grad(piped), vmap(piped)): the
             # program is a function of its inputs, whatever transform later runs it.
             with temporarily_clear_interpreter_stack(), following_checkpoints() as regions:
-                compiled = self._compile(inp, mb0, grad_of, has_aux, bool(regions))
+                compiled = self._compile(inp, mb0, grad_of, has_aux, regions)
             if self.pg is not None:  # before any transfer: the ranks must agree on what to send
                 parts = fingerprint(compiled.base or compiled.staged, compiled.runner.schedule)
                 check_same_program(self.cfg.call, self.pg, parts, self.cfg.timeout)
@@ -121,7 +121,7 @@ class Compiler:
         mb0: list[torch.Tensor],
         grad_of: tuple[int, ...] | None,
         has_aux: bool,
-        regions: bool = False,
+        regions: list[Any] | None = None,  # filled by the traces: following_checkpoints
     ) -> Compiled:
         cfg, device = self.cfg, inputs_.device_of(self.pg, inp)
         mode, fakes = make_fakes([*inp.param_leaves, *mb0], device)

@@ -95,8 +95,11 @@ def auto_partition(
         seconds = measure()
         timed = [seconds.get(n, 0.0) if n in act else 0.0 for n in nodes]
         if sum(timed) > 0:
+            # An operation timed at 0 (under the clock's resolution, or the measuring overhead
+            # subtracted) still exists: it keeps a thousandth of its estimate, so it counts as work
+            # a stage can hold, as it does without measuring, and every rank sees the same count.
             scale = sum(cost) / sum(timed)
-            cost = [t * scale for t in timed]
+            cost = [max(t * scale, c * 1e-3) for t, c in zip(timed, cost)]
     cum = [0.0]
     for c in cost:
         cum.append(cum[-1] + c)

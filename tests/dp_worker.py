@@ -337,14 +337,14 @@ def planned() -> dict[str, Any]:
     its 2 best predicted candidates timed as real steps, and `pipeline(plan=p)` run on the
     replica's share of the batch against the global batch's gradients."""
     params, (x, y) = params_for("mlp"), data()
-    p = fpipe.plan(plain, params, x, y, world_size=4, optimizer="sgd", budget_s=4.0, verify=2)
+    p = fpipe.plan(plain, params, x, y, world_size=4, optimizer="sgd", budget_s=6.0, verify=2)
     i, n = dist.get_rank() // p.pp, BATCH // p.dp
     loss, grads = fpipe.value_and_grad(fpipe.pipeline(plain, plan=p))(
         params, x[i * n : (i + 1) * n], y[i * n : (i + 1) * n]
     )
     want_grads, want_loss = torch.func.grad_and_value(plain)(params, x, y)
     verified = p.candidates[: p.verified]
-    again = fpipe.plan(plain, params, x, y, world_size=4, optimizer="sgd", budget_s=4.0, verify=2)
+    again = fpipe.plan(plain, params, x, y, world_size=4, optimizer="sgd", budget_s=6.0, verify=2)
     return {
         "again": [again.measure_s, again.measured_step_s == p.measured_step_s, again.layout == p.layout],
         "layout": [p.layout, p.stages, list(p.cuts)],

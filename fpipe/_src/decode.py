@@ -16,6 +16,7 @@ one generation: state owned by a stage, split by microbatch, never sent.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from typing import Any
 
@@ -59,6 +60,11 @@ class Programs:
 
     def program(self, stage: int) -> Program:
         return self.staged.programs["F", stage]
+
+    @functools.cached_property
+    def data_of(self) -> dict[str, str]:
+        """Placeholder name -> data input (`names` inverted)."""
+        return {n: k for k, n in self.names.items()}
 
     def const(self, name: str) -> torch.Tensor:
         """A captured tensor's value now: a module buffer as the module holds it at this call."""

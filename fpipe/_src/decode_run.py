@@ -86,12 +86,16 @@ def run_stage(
 ) -> None:
     """Run `stage`'s program on the values in `env` (by data name or value name); add its outputs."""
     prog = progs.program(stage)
-    values = {n: env[k] for k, n in progs.names.items() if k in env}  # data inputs by placeholder
-    values.update((n, params[p]) for n, p in progs.params.items())
-    args = [
-        values[n] if n in values else progs.const(n) if n in progs.consts else env[n] for n in prog.inputs
-    ]
-    env.update(zip(prog.outputs, prog.gm(*args)))
+    data = progs.data_of
+
+    def bound(n: str) -> torch.Tensor:  # only this program's inputs: it runs per (step, microbatch)
+        if n in progs.params:
+            return params[progs.params[n]]
+        if data.get(n) in env:
+            return env[data[n]]
+        return progs.const(n) if n in progs.consts else env[n]
+
+    env.update(zip(prog.outputs, prog.gm(*map(bound, prog.inputs))))
 
 
 def run_local(

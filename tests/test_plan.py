@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import fpipe
 import fpipe._src.plan as plan_mod
 from fpipe._src.plan import _cuts
+from fpipe._src.plan_tp import entries, group
 
 D, V, L, B = 64, 1024, 4, 64
 
@@ -83,10 +84,10 @@ def test_one_process_step_matches_the_prediction(planned: fpipe.Plan, inputs: tu
         rows = B // c.dp  # one replica's share
         measured = _step_seconds(fpipe.pipeline(loss_fn, plan=c), params, x[:rows], y[:rows])
         if not 1 / 3 < measured / c.serial_s < 3:  # the host's load changed: both again, once
-            saved = dict(plan_mod._CACHE)
-            plan_mod._CACHE.clear()
+            saved = dict(plan_mod.CACHE)
+            plan_mod.CACHE.clear()
             fresh = fpipe.plan(loss_fn, params, x, y, world_size=2)
-            plan_mod._CACHE.update(saved)  # the other tests compare with `planned`'s
+            plan_mod.CACHE.update(saved)  # the other tests compare with `planned`'s
             c = next(d for d in fresh.candidates if d.layout == c.layout)
             measured = _step_seconds(fpipe.pipeline(loss_fn, plan=c), params, x[:rows], y[:rows])
         assert 1 / 3 < measured / c.serial_s < 3, (c.layout, measured, c.serial_s)
@@ -172,17 +173,25 @@ def test_layouts_not_timed_within_the_budget_are_dropped(inputs: tuple, one_thre
     assert timed_all <= {c.layout for c in p.candidates} | {c.layout for c in untimed}
 
 
-def test_dtensor_parameters_are_refused(inputs: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
-    """tp > 1 is not planned yet (a stand-in class: a DTensor needs a process group)."""
+def test_tp_cuts_group_segments_contiguously_with_the_slowest_stage_least() -> None:
+    """With tp the planner cuts between blocks (NOTE [planning with tensor parallelism]):
+    `group` gives each stage a contiguous run of segments, the heaviest run as light as it can be
+    (checked against every way to cut), and `entries` reads the blocks from parameter names."""
+    import itertools
 
-    class FakeDTensor(torch.Tensor):
-        pass
-
-    monkeypatch.setattr(plan_mod, "DTensor", FakeDTensor)
-    params, x, y = inputs
-    shard = torch.zeros(2).as_subclass(FakeDTensor)
-    with pytest.raises(ValueError, match="does not plan tensor-parallel layouts yet"):
-        fpipe.plan(loss_fn, {**params, "w0": shard}, x, y, world_size=2)
+    weights = [3.0, 1.0, 1.0, 1.0, 1.0, 5.0]  # a heavy first (embedding) and last (head) segment
+    for n in range(1, len(weights) + 1):
+        starts = group(weights, n)
+        assert starts[0] == 0 and starts == sorted(set(starts)) and len(starts) == n
+        runs = lambda s: [sum(weights[a:b]) for a, b in zip(s, [*s[1:], len(weights)])]  # noqa: E731
+        best = min(max(runs([0, *c])) for c in itertools.combinations(range(1, len(weights)), n - 1))
+        assert max(runs(starts)) == best, (n, starts)
+    assert group(weights, 2) == [0, 4]  # 3+1+1+1 | 1+5
+    with pytest.raises(ValueError, match="cannot group 6 segments into 7 stages"):
+        group(weights, 7)
+    keys = ["emb.weight", "blocks.0.w", "blocks.1.w", "blocks.10.w", "blocks.2.w", "head.0.w", "norm.w"]
+    assert entries(dict.fromkeys(keys)) == ["blocks.0", "blocks.1", "blocks.2", "blocks.10"]
+    assert entries({"w0": 1, "head": 2}) == []
 
 
 def test_arguments_the_plan_sets_are_refused_alongside_it(planned: fpipe.Plan) -> None:

@@ -154,3 +154,36 @@ def test_a_tp_rank_failing_mid_step_stops_every_rank_at_once_naming_it(launches)
         assert "injected failure on global rank 1" in res["error_text"], (rec["rank"], res)
         assert "rank 0 (global rank 1) failed at action" in res["error_text"], (rec["rank"], res)
         assert res["seconds"] < 30, (rec["rank"], res)
+
+
+def test_plan_chooses_dp_x_pp_around_the_models_tp_and_its_pipelines_are_exact(launches):
+    """fpipe.plan with parameters parallelized on mesh["tp"] (NOTE [planning with tensor
+    parallelism]): tp = 2 from their layout, dp x pp = 2 enumerated around it, both layouts timed,
+    stages cut between blocks (`blocks.1`; 4 stages dropped: the model has 2 blocks), 2 verified,
+    the same plan on every rank; `pipeline(plan=c)` builds a ("pp", "tp") or ("dp", "pp", "tp")
+    mesh over the parameters' tp group and gives the unsplit model's loss and gradients."""
+    recs = [rec["plan"] for rec in launches[4]]
+    assert all("error" not in r for r in recs), recs
+    assert all(r["layout"] == recs[0]["layout"] and r["candidates"] == recs[0]["candidates"] for r in recs)
+    layout, tp, cuts, measured, verified = recs[0]["layout"]
+    assert tp == 2 and verified == 2 and measured > 0, recs[0]["layout"]
+    assert cuts == (["blocks.1"] if "pp=2" in layout else []), recs[0]["layout"]
+    cands = recs[0]["candidates"]
+    assert {(dp, pp) for _, dp, pp, _, _ in cands} == {(1, 2), (2, 1)}
+    assert all(t == 2 and c == (["blocks.1"] if pp == 2 else []) for _, _, pp, t, c in cands), cands
+    four = [why for lay, why in recs[0]["dropped"] if lay.endswith(("zbv", "dualpipev", "interleaved-1f1b"))]
+    assert four and all("entries of a ModuleList: 2 found" in w for w in four), recs[0]["dropped"]
+    for r in recs:
+        for name, (loss_err, grad_err, dims, shape) in [("chosen", r["chosen"]), *r["layouts"].items()]:
+            assert loss_err < TOL and grad_err < TOL, (name, r)
+            assert dims[-1] == "tp" and shape[-1] == 2 and len(dims) == (3 if "dp=2" in name else 2), (
+                name,
+                dims,
+            )
+    assert len(recs[0]["layouts"]) == 2
+
+
+def test_plan_refuses_a_tp_mesh_its_layouts_cannot_rebuild(launches):
+    for rec in launches[4]:
+        msg = rec["plan_scattered"]
+        assert "each tp group to be consecutive ranks" in msg and "(world_size // tp, tp)" in msg, msg

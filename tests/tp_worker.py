@@ -382,6 +382,48 @@ def tp_of_one(_mesh: Any) -> dict[str, Any]:
     }
 
 
+def planned(mesh: Any) -> dict[str, Any]:
+    """fpipe.plan on the 4 ranks of a model parallelized on mesh["tp"] (tp = 2): the layouts
+    dp x pp = 2 around it, cuts between blocks, the 2 best verified as real steps; then
+    `pipeline(plan=p)` -- and the best candidate of each layout -- on the replica's rows against the
+    unsplit model over the plan's batch. A batch of 2 rows keeps the candidates few (dp = 2:
+    one microbatch; pp = 2: two)."""
+    fn, params = fpipe.functionalize(built("tp", mesh))
+    x, y = (t[:2] for t in data())
+    loss = loss_of(fn)
+    p = fpipe.plan(loss, params, x, y, world_size=4, optimizer="sgd", verify=2)
+    rfn, rparams = fpipe.functionalize(reference())
+    ref_g, ref_v = torch.func.grad_and_value(loss_of(rfn))(rparams, x, y)
+    best_of = {lay: next(c for c in p.candidates if (c.dp, c.pp) == lay) for lay in [(1, 2), (2, 1)]}
+
+    def run(c: Any) -> list[float]:
+        piped = fpipe.pipeline(loss, plan=c)
+        i, n = dist.get_rank() // (c.pp * c.tp), 2 // c.dp
+        v, g = fpipe.value_and_grad(piped)(params, x[i * n : (i + 1) * n], y[i * n : (i + 1) * n])
+        err = max(float((whole(t) - ref_g[k]).abs().max()) for k, t in g.items())
+        return [abs(float(v) - float(ref_v)), err, piped.cfg.mesh.mesh_dim_names, list(piped.cfg.mesh.shape)]
+
+    return {
+        "layout": [p.layout, p.tp, list(p.cuts), p.measured_step_s, p.verified],
+        "candidates": [[c.layout, c.dp, c.pp, c.tp, list(c.cuts)] for c in p.candidates],
+        "dropped": [[c.layout, why] for c, why in p.dropped],
+        "chosen": run(p),
+        "layouts": {c.layout: run(c) for c in best_of.values()},  # pp x tp and dp x tp, each
+    }
+
+
+def plan_on_scattered_tp_ranks(_mesh: Any) -> str:
+    """A tp mesh of ranks {0, 2} / {1, 3}: pipeline(plan=p) could not give it back as its mesh's
+    innermost dimension, so fpipe.plan refuses it before measuring."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "rest"))
+    fn, params = fpipe.functionalize(built("tp", mesh))
+    try:
+        fpipe.plan(loss_of(fn), params, *data(), world_size=4, verify=0)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
 def record(name: str, fn: Any, *args: Any) -> Any:
     try:
         return fn(*args)
@@ -411,6 +453,8 @@ def main() -> None:
         rec["auto_partition"] = record("auto_partition", auto_partition, mesh)
         rec["dtensor_data"] = record("dtensor_data", dtensor_data, mesh)
         rec["tp_of_one"] = record("tp_of_one", tp_of_one, mesh)
+        rec["plan"] = record("plan", planned, mesh)
+        rec["plan_scattered"] = record("plan_scattered", plan_on_scattered_tp_ranks, mesh)
         rec["failure"] = record("failure", tp_rank_fails_mid_step, mesh)  # last: it leaves work pending
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(rec, f)

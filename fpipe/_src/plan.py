@@ -1,11 +1,13 @@
 """Plan: choose dp x pp, microbatches, schedule and cuts for `world_size` ranks from measurements.
 
 # NOTE [how fpipe.plan predicts]
-Layouts: every dp x pp = world_size whose dp divides the batch (tp = 1: tensor-parallel layouts
-are not planned yet, and DTensor parameters are refused); per layout a few microbatch counts
-(divisors of the per-replica batch, at least pp); per count every registered schedule that
-builds for pp ranks. Cuts: `auto_partition` over measured per-operation costs. Each candidate's
-stages are timed in this process (plan_cost.py: NOTE [what the planner measures]); then
+Layouts: every dp x pp = world_size / tp whose dp divides the batch, tp taken from the
+parameters (1, or the size of the "tp" mesh DTensor parameters lie on: NOTE [planning with tensor
+parallelism] in plan_tp.py); per layout a few microbatch counts (divisors of the per-replica
+batch, at least pp); per count every registered schedule that builds for pp ranks. Cuts:
+`auto_partition` over measured per-operation costs (with tp, between the entries of the model's
+ModuleList, from measured segment times). Each candidate's stages are timed in this process, with
+tp in every tp group at once (plan_cost.py: NOTE [what the planner measures]); then
 
 - step = simulate(schedule, measured F / I / W per stage, comm = one transfer's time)
   + time outside actions (measured, shared over the pp ranks) + the optimizer step of the
@@ -21,30 +23,17 @@ Candidates over `memory_limit` are dropped; the rest are ranked by predicted ste
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
-from .plan_cost import (
-    OPTIMIZERS,
-    Links,
-    StageTimes,
-    agree,
-    agree_costs,
-    crossing_bytes,
-    local_pipeline,
-    measure_links,
-    measure_stages,
-    optimizer_seconds,
-    rank_memory,
-    world,
-)
+from .plan_cost import OPTIMIZERS, Links, StageTimes, crossing_bytes, rank_memory, world
+from .plan_measure import CACHE, Measured, measure, signature
 from .plan_table import table
+from .plan_tp import tp_layout
 from .plan_verify import verify as verify_
 from .schedule import build, names
 from .schedule_data import Schedule
@@ -83,10 +72,12 @@ class Plan:
     costs: Any = dataclasses.field(default=None, repr=False, compare=False)
     measured_step_s: float = float("nan")  # a real step on the job's ranks (NOTE [plan verification])
     verified: int = 0  # on the chosen plan: how many candidates were timed for real
+    tp_mesh: Any = dataclasses.field(default=None, repr=False, compare=False)  # the parameters'
 
     @property
     def layout(self) -> str:
-        return f"dp={self.dp} pp={self.pp} m={self.microbatches} {self.schedule}"
+        tp = f" tp={self.tp}" if self.tp > 1 else ""
+        return f"dp={self.dp} pp={self.pp}{tp} m={self.microbatches} {self.schedule}"
 
     def table(self) -> str:
         """The ranked candidates and the dropped ones, and why the winner won."""
@@ -97,7 +88,8 @@ class Plan:
 
     def settings(self, given: dict[str, Any]) -> dict[str, Any]:
         """`pipeline(f, plan=self, ...)`'s arguments: the plan's stages, microbatches, schedule and
-        cuts (its measured costs) and, under torchrun with dp > 1, a ("dp", "pp") mesh."""
+        cuts (its measured costs; with tp, its module paths) and, under torchrun with dp > 1 or
+        tp > 1, a ("dp", "pp"), ("pp", "tp") or ("dp", "pp", "tp") mesh, tp innermost."""
         clash = [k for k, v in _PLANNED.items() if given.get(k, v) is not v and given.get(k) != v]
         if clash:
             raise ValueError(
@@ -105,21 +97,38 @@ class Plan:
                 f"{', '.join(f'{k}={given[k]!r}' for k in clash)} too (plan again to change them)."
             )
         out = dict(given, stages=self.stages, microbatches=self.microbatches, schedule=self.schedule)
-        if self.stages > 1:
+        if self.stages > 1 and self.tp > 1:
+            out.update(cuts=list(self.cuts))
+        elif self.stages > 1:
             out.update(partition="measure", costs=self.costs)
         size = world()[1]
         if size > 1:
-            if size != self.dp * self.pp:
+            if size != self.dp * self.pp * self.tp:
                 raise ValueError(
-                    f"pipeline(plan=...): the plan is for dp={self.dp} x pp={self.pp} = "
-                    f"{self.dp * self.pp} ranks but this job has {size}; plan with world_size={size}."
+                    f"pipeline(plan=...): the plan is for dp={self.dp} x pp={self.pp} x tp={self.tp} "
+                    f"= {self.dp * self.pp * self.tp} ranks but this job has {size}; plan with "
+                    f"world_size={size}."
                 )
-            if self.dp > 1:
-                from torch.distributed.device_mesh import init_device_mesh
-
-                device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-                out["mesh"] = init_device_mesh(device, (self.dp, self.pp), mesh_dim_names=("dp", "pp"))
+            dims = {
+                k: n for k, n in (("dp", self.dp), ("pp", self.pp), ("tp", self.tp)) if n > 1 or k == "pp"
+            }
+            if len(dims) > 1:
+                out["mesh"] = _mesh(dims, self.tp_mesh)
         return out
+
+
+def _mesh(dims: dict[str, int], tp_mesh: Any) -> Any:
+    """The job's mesh of `dims` (tp innermost); its "tp" dimension is the parameters' own mesh
+    and process group, whose collectives the traced function runs (plan_tp.py checked that its
+    ranks are this layout's)."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    mesh = init_device_mesh(device, tuple(dims.values()), mesh_dim_names=tuple(dims))
+    if "tp" not in dims:
+        return mesh
+    groups = [tp_mesh.get_group() if d == "tp" else mesh.get_group(d) for d in dims]
+    return DeviceMesh.from_group(groups, device, mesh=mesh.mesh, mesh_dim_names=tuple(dims))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,72 +181,6 @@ def _candidates(call: str, world_size: int, batch: int) -> tuple[list[_Candidate
     return out, skipped
 
 
-def _replica(args: Any, rows: int) -> Any:
-    """The first `rows` of every batched tensor: one replica's slice."""
-    return tree_map(lambda t: t[:rows] if isinstance(t, torch.Tensor) and t.dim() > 0 else t, args)
-
-
-@dataclasses.dataclass
-class _Measured:
-    times: dict[Any, StageTimes]
-    links: Links
-    optimizer_s: float
-    costs: dict[Any, list[float]]
-    seconds: float
-    skipped: dict[Any, str]  # config -> why it was not timed
-    steps: dict[Any, float] = dataclasses.field(default_factory=dict)  # verified: (layout, stages) -> s
-
-
-_CACHE: dict[Any, _Measured] = {}
-
-
-def _signature(f: Any, params: Any, args: Any, kwargs: Any, *settings: Any) -> Any:
-    leaves = tree_flatten((params, args, kwargs))[0]
-    shapes = tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in leaves)
-    return (f, shapes, *settings, world()[1])
-
-
-def _measure(
-    f: Callable[..., Any], params: Any, args: Any, kwargs: Any, cands: list[_Candidate],
-    optimizer: str, budget_s: float, batch: int,
-) -> _Measured:  # fmt: skip
-    start = time.perf_counter()
-    costs: dict[Any, list[float]] = {}
-    configs = {c.config: c for c in cands}
-    sizes = {batch // k[0]: k for k in sorted(configs, key=lambda k: (k[0], k[1])) if k[2] > 1}
-    for rows, m, _, _ in sizes.values():  # per-operation costs, once per microbatch size
-        sub = _replica((args, kwargs), batch // rows * m)
-        piped = local_pipeline(f, stages=2, microbatches=m, partition="measure", costs=costs)
-        piped.memory_report(params, *sub[0], **sub[1])
-    agree_costs(costs)
-    times: dict[Any, StageTimes] = {}
-    skipped: dict[Any, str] = {}
-    for key in sorted(configs, key=lambda k: (k[2], -k[0], sorted(k[3]))):
-        if times and agree([time.perf_counter() - start], "max")[0] > budget_s:  # (one, at least)
-            skipped[key] = f"not measured: budget_s={budget_s:g} spent"
-            continue
-        c = configs[key]
-        a, k = _replica((args, kwargs), batch // c.dp)
-        try:
-            t = measure_stages(
-                f, params, a, k, 3, stages=c.sched.n_stages, microbatches=c.m, schedule=c.sched,
-                partition="measure" if c.sched.n_stages > 1 else "estimate", costs=costs,
-            )  # fmt: skip
-        except ValueError as err:  # (every rank skips it if one fails: the figures stay matched)
-            skipped[key], t = str(err).split(": ", 1)[-1], None
-        if agree([float(t is None)], "max")[0]:
-            skipped.setdefault(key, "could not be built on another rank")
-            continue
-        assert t is not None
-        n = c.sched.n_stages
-        flat = agree([x for kind in "FBIW" for x in t.kinds[kind]] + [t.overhead])
-        t.kinds = {kind: flat[i * n : (i + 1) * n] for i, kind in enumerate("FBIW")}
-        t.overhead, times[key] = flat[-1], t
-    links = measure_links()
-    opt = agree([optimizer_seconds(optimizer, params)])[0]
-    return _Measured(times, links, opt, costs, time.perf_counter() - start, skipped)
-
-
 def _cuts(c: Any) -> tuple[str, ...]:
     """Where each stage after the first begins, for people: the first parameter its forward reads
     (`blocks.2.ln1.weight`: a cut near `pipeline(cuts=["blocks.2"])`), or for a stage that reads
@@ -252,7 +195,7 @@ def _cuts(c: Any) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _predict(c: _Candidate, t: StageTimes, ms: _Measured, opt_factor: int) -> Plan:
+def _predict(c: _Candidate, t: StageTimes, ms: Measured, opt_factor: int) -> Plan:
     k = t.kinds
     iw = c.config[3]
     n = c.sched.n_stages
@@ -275,8 +218,9 @@ def _predict(c: _Candidate, t: StageTimes, ms: _Measured, opt_factor: int) -> Pl
     step = sum(v for key, v in parts.items() if key != "comm per transfer")
     peaks = [r.peak + g * (1 + opt_factor) + (g if c.dp > 1 else 0) for r, g in zip(reports, grads)]
     serial = sum(c.m * (k["F"][s] + backward[s] + weight[s]) for s in range(n)) + t.overhead
+    cuts = ms.paths.get(c.config, ()) if ms.tp > 1 else _cuts(t.compiled)
     return Plan(
-        dp=c.dp, pp=c.pp, tp=1, microbatches=c.m, schedule=c.name, stages=n, cuts=_cuts(t.compiled),
+        dp=c.dp, pp=c.pp, tp=ms.tp, microbatches=c.m, schedule=c.name, stages=n, cuts=cuts,
         predicted_step_s=step, predicted_peak_bytes=max(peaks), bubble=sum(sim.bubble) / c.pp,
         serial_s=serial, parts=parts, links=ms.links, costs=ms.costs,
     )  # fmt: skip
@@ -297,11 +241,6 @@ def _check(call: str, params: Any, world_size: Any, optimizer: str, verify: int)
         )
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"{call}: unknown optimizer {optimizer!r}; known: {sorted(OPTIMIZERS)}.")
-    if any(isinstance(p, DTensor) for p in tree_flatten(params)[0]):
-        raise ValueError(
-            f"{call}: the parameters are DTensors; fpipe.plan does not plan tensor-parallel "
-            "layouts yet. Choose tp yourself and pass cuts= to fpipe.pipeline."
-        )
 
 
 def plan(
@@ -336,32 +275,41 @@ def plan(
         signature, and in a process group averaged over the ranks (the same plan everywhere).
 
     Raises:
-        ValueError: a bad world_size or optimizer, DTensor parameters, or no layout under
-            `memory_limit` (naming the least memory reachable).
+        ValueError: a bad world_size or optimizer, DTensor parameters that are not on one
+            consecutive "tp" mesh, or no layout under `memory_limit` (naming the least memory
+            reachable).
     """
     call = f"plan({getattr(f, '__name__', repr(f))}, world_size={world_size!r})"
     _check(call, params, world_size, optimizer, verify)
+    tp, tp_mesh = tp_layout(call, params, world_size)
     batch = _batch(call, example_args, example_kwargs)
-    cands, skipped = _candidates(call, world_size, batch)
-    key = _signature(f, params, example_args, example_kwargs, world_size, optimizer, budget_s)
-    cached = key in _CACHE
+    cands, skipped = _candidates(call, world_size // tp, batch)
+    key = signature(f, params, example_args, example_kwargs, world_size, optimizer, budget_s)
+    cached = key in CACHE
     if not cached:
-        _CACHE[key] = _measure(f, params, example_args, example_kwargs, cands, optimizer, budget_s, batch)
-    ms = _CACHE[key]
+        CACHE[key] = measure(
+            f, params, example_args, example_kwargs, cands, optimizer, budget_s, batch, tp_mesh
+        )
+    ms = CACHE[key]
     best = _rank(
         call, cands, ms, memory_limit, OPTIMIZERS[optimizer][1], skipped, 0.0 if cached else ms.seconds
     )
+    if tp_mesh is not None:
+        at = {"tp_mesh": tp_mesh}
+        best = dataclasses.replace(
+            best, candidates=tuple(dataclasses.replace(c, **at) for c in best.candidates), **at
+        )
     return verify_(f, params, example_args, example_kwargs, best, verify, optimizer, ms.steps)
 
 
 def _rank(
-    call: str, cands: list[_Candidate], ms: _Measured, limit: int | None, opt_factor: int,
+    call: str, cands: list[_Candidate], ms: Measured, limit: int | None, opt_factor: int,
     skipped: list[str], seconds: float,
 ) -> Plan:  # fmt: skip
     fits, dropped = [], []
     for c in cands:
         if c.config in ms.skipped:
-            dropped.append((_unmeasured(c), ms.skipped[c.config]))
+            dropped.append((_unmeasured(c, ms.tp), ms.skipped[c.config]))
             continue
         p = _predict(c, ms.times[c.config], ms, opt_factor)
         if limit is not None and p.predicted_peak_bytes > limit:
@@ -378,22 +326,22 @@ def _rank(
             f"{least.layout}); raise memory_limit or use more ranks."
         )
     fits.sort(key=lambda p: p.predicted_step_s)
-    notes = tuple((_unmeasured_layout(s), s) for s in skipped)
+    notes = tuple((_unmeasured_layout(s, ms.tp), s) for s in skipped)
     return dataclasses.replace(
         fits[0], candidates=tuple(fits), dropped=tuple(dropped) + notes, measure_s=seconds
     )
 
 
-def _unmeasured(c: _Candidate) -> Plan:
+def _unmeasured(c: _Candidate, tp: int) -> Plan:
     return Plan(
-        dp=c.dp, pp=c.pp, tp=1, microbatches=c.m, schedule=c.name, stages=c.sched.n_stages, cuts=(),
+        dp=c.dp, pp=c.pp, tp=tp, microbatches=c.m, schedule=c.name, stages=c.sched.n_stages, cuts=(),
         predicted_step_s=float("nan"), predicted_peak_bytes=0, bubble=float("nan"), serial_s=float("nan"),
     )  # fmt: skip
 
 
-def _unmeasured_layout(text: str) -> Plan:
+def _unmeasured_layout(text: str, tp: int) -> Plan:
     dp, pp = (int(x.split("=")[1]) for x in text.split(":")[0].split())
     return Plan(
-        dp=dp, pp=pp, tp=1, microbatches=0, schedule="-", stages=pp, cuts=(), predicted_step_s=float("nan"),
+        dp=dp, pp=pp, tp=tp, microbatches=0, schedule="-", stages=pp, cuts=(), predicted_step_s=float("nan"),
         predicted_peak_bytes=0, bubble=float("nan"), serial_s=float("nan"),
     )  # fmt: skip

@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_flatten
 from .api import Pipelined
 from .autodiff import value_and_grad
 from .memory import MemoryReport, predict
+from .plan_tp import tp_groups
 from .replicas import Groups
 from .run import LocalRunner, outputs_by_program
 from .schedule_data import Schedule
@@ -82,10 +83,12 @@ def agree_costs(store: dict[Any, list[float]]) -> None:
 # -- stages ---------------------------------------------------------------------------------------
 
 
-def local_pipeline(f: Callable[..., Any], **settings: Any) -> Pipelined:
-    """A pipeline whose stages all run in this process, even in a process group."""
+def local_pipeline(f: Callable[..., Any], tp_mesh: Any = None, **settings: Any) -> Pipelined:
+    """A pipeline whose stages all run in this process, even in a process group; with `tp_mesh`,
+    its programs run their tensor-parallel collectives with the other ranks of that mesh."""
     piped = Pipelined(f, **settings)
-    piped.__dict__["_groups"] = Groups(None, None)  # the cached_property, looked up already
+    groups = Groups(None, None) if tp_mesh is None else tp_groups(tp_mesh, piped.cfg.timeout)
+    piped.__dict__["_groups"] = groups  # the cached_property, looked up already
     return piped
 
 
@@ -159,6 +162,8 @@ def crossing_bytes(c: Any, sched: Schedule) -> tuple[int, int]:
         if src is None:
             continue
         dests = {sched.stage_rank[p[1]] for p in places} - {sched.stage_rank[src[1]]}
+        if not dests:  # (a value kept on its rank: some, between a stage's I and W, have no meta)
+            continue
         shape, dtype = st.meta[name][:2]
         total += len(dests) * dtype.itemsize * int(torch.Size(shape).numel())
         transfers += len(dests)

@@ -36,9 +36,9 @@ _STEPS = 3
 
 
 def _replica(args: Any, c: Any) -> Any:
-    """This rank's replica's rows of every batched tensor (a ("dp", "pp") mesh: rank = dp index *
-    pp + pp index)."""
-    i = world()[0] // c.pp
+    """This rank's replica's rows of every batched tensor (a ("dp", "pp", "tp") mesh: rank =
+    (dp index * pp + pp index) * tp + tp index)."""
+    i = world()[0] // (c.pp * c.tp)
 
     def rows(t: Any) -> Any:
         if not isinstance(t, torch.Tensor) or t.dim() == 0:

@@ -387,11 +387,11 @@ def planned(mesh: Any) -> dict[str, Any]:
     dp x pp = 2 around it, cuts between blocks, the 2 best verified as real steps; then
     `pipeline(plan=p)` -- and the best candidate of each layout -- on the replica's rows against the
     unsplit model over the plan's batch. A batch of 2 rows keeps the candidates few (dp = 2:
-    one microbatch; pp = 2: two)."""
+    one microbatch; pp = 2: two), and no budget times the first of each layout only."""
     fn, params = fpipe.functionalize(built("tp", mesh))
     x, y = (t[:2] for t in data())
     loss = loss_of(fn)
-    p = fpipe.plan(loss, params, x, y, world_size=4, optimizer="sgd", verify=2)
+    p = fpipe.plan(loss, params, x, y, world_size=4, optimizer="sgd", budget_s=0.0, verify=2)
     rfn, rparams = fpipe.functionalize(reference())
     ref_g, ref_v = torch.func.grad_and_value(loss_of(rfn))(rparams, x, y)
     best_of = {lay: next(c for c in p.candidates if (c.dp, c.pp) == lay) for lay in [(1, 2), (2, 1)]}
@@ -409,6 +409,52 @@ def planned(mesh: Any) -> dict[str, Any]:
         "dropped": [[c.layout, why] for c, why in p.dropped],
         "chosen": run(p),
         "layouts": {c.layout: run(c) for c in best_of.values()},  # pp x tp and dp x tp, each
+    }
+
+
+def planned_over_tp(_mesh: Any) -> dict[str, Any]:
+    """fpipe.plan given the plain model and `tensor_parallel=` (a function parallelizing a fresh
+    model on the tp mesh it is given): tp = 1, 2 and 4 planned together on 4 ranks (no budget:
+    the first candidate of each dp x pp layout is timed); the 3 best verified; then each tp's best
+    candidate, built with `pipeline(c.function, plan=c)` and called with `c.params`, against the
+    unsplit model."""
+
+    def build(tp_mesh: Any) -> tuple[Any, Any]:
+        fn, params = fpipe.functionalize(parallelize(reference(), tp_mesh, "tp"))
+        return loss_of(fn), params
+
+    rfn, rparams = fpipe.functionalize(reference())
+    x, y = (t[:4] for t in data())
+    p = fpipe.plan(
+        loss_of(rfn),
+        rparams,
+        x,
+        y,
+        world_size=4,
+        optimizer="sgd",
+        budget_s=0.0,
+        verify=3,
+        tensor_parallel=build,
+    )
+    ref_g, ref_v = torch.func.grad_and_value(loss_of(rfn))(rparams, x, y)
+
+    def run(c: Any) -> list[float]:
+        i, n = dist.get_rank() // (c.pp * c.tp), 4 // c.dp
+        v, g = fpipe.value_and_grad(fpipe.pipeline(c.function, plan=c))(
+            c.params, x[i * n : (i + 1) * n], y[i * n : (i + 1) * n]
+        )
+        return [
+            abs(float(v) - float(ref_v)),
+            max(float((whole(t) - ref_g[k]).abs().max()) for k, t in g.items()),
+        ]
+
+    best = {c.tp: c for c in reversed(p.candidates)}  # each tp's best predicted
+    return {
+        "layout": [p.layout, p.tp, p.verified, p.measured_step_s],
+        "verified": [c.layout for c in p.candidates[: p.verified]],
+        "tps": sorted({c.tp for c in p.candidates}),
+        "runs": {c.layout: run(c) for c in best.values()},
+        "table": str(p),
     }
 
 
@@ -455,6 +501,7 @@ def main() -> None:
         rec["tp_of_one"] = record("tp_of_one", tp_of_one, mesh)
         rec["plan"] = record("plan", planned, mesh)
         rec["plan_scattered"] = record("plan_scattered", plan_on_scattered_tp_ranks, mesh)
+        rec["plan_over_tp"] = record("plan_over_tp", planned_over_tp, mesh)
         rec["failure"] = record("failure", tp_rank_fails_mid_step, mesh)  # last: it leaves work pending
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(rec, f)

@@ -23,6 +23,7 @@ Candidates over `memory_limit` are dropped; the rest are ranked by predicted ste
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -31,7 +32,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
 from .plan_cost import OPTIMIZERS, Links, StageTimes, crossing_bytes, rank_memory, world
-from .plan_measure import CACHE, Measured, measure, signature
+from .plan_measure import CACHE, Measured, measure, signature, tp_builds
 from .plan_table import table
 from .plan_tp import tp_layout
 from .plan_verify import verify as verify_
@@ -73,6 +74,10 @@ class Plan:
     measured_step_s: float = float("nan")  # a real step on the job's ranks (NOTE [plan verification])
     verified: int = 0  # on the chosen plan: how many candidates were timed for real
     tp_mesh: Any = dataclasses.field(default=None, repr=False, compare=False)  # the parameters'
+    # what to pipeline: `pipeline(p.function, plan=p)(p.params, ...)` (with `tensor_parallel=`,
+    # the model built for this candidate's tp; otherwise plan's own f and params)
+    function: Any = dataclasses.field(default=None, repr=False, compare=False)
+    params: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def layout(self) -> str:
@@ -252,6 +257,7 @@ def plan(
     optimizer: str = "adamw",
     budget_s: float = 120.0,
     verify: int = 3,
+    tensor_parallel: Callable[[Any], tuple[Callable[..., Any], Any]] | None = None,
     **example_kwargs: Any,
 ) -> Plan:
     """Choose how to run `value_and_grad(pipeline(f, ...))` on `world_size` ranks, from
@@ -264,14 +270,21 @@ def plan(
         world_size: the number of ranks (the job's size under torchrun).
         memory_limit: bytes per rank; layouts predicted to need more are dropped.
         optimizer: "adamw", "adam", "sgd" or "none": whose step time and state are counted.
-        budget_s: seconds of measuring after which layouts not yet timed are dropped (the
-            first is always timed).
+        budget_s: seconds of measuring after which candidates not yet timed are dropped (the
+            first of each dp x pp layout is always timed).
         verify: under torchrun, time this many of the best predicted candidates as real steps
             on the job's ranks and choose the fastest measured (NOTE [plan verification] in
             plan_verify.py): one build and 4 steps each; in one process nothing is verified.
+        tensor_parallel: under torchrun, `tensor_parallel(tp_mesh) -> (f, params)` builds the
+            model parallelized on a 1-D "tp" DeviceMesh (e.g. `parallelize_module` of a fresh
+            model, then `functionalize`); every tp > 1 dividing world_size is then planned too,
+            alongside tp = 1 (`f`, `params`: plain). A build that raises drops its tp, saying
+            why. Without it, tp is the one `params` already have (NOTE [planning with tensor
+            parallelism] in plan_tp.py).
 
     Returns:
-        The best `Plan`; `pipeline(f, plan=p)` builds it. Measurements are cached per input
+        The best `Plan`; `pipeline(p.function, plan=p)` builds it, to be called with
+        `p.params` (`f` and `params` themselves unless another tp was built). Measurements are cached per input
         signature, and in a process group averaged over the ranks (the same plan everywhere).
 
     Raises:
@@ -283,29 +296,59 @@ def plan(
     _check(call, params, world_size, optimizer, verify)
     tp, tp_mesh = tp_layout(call, params, world_size)
     batch = _batch(call, example_args, example_kwargs)
-    cands, skipped = _candidates(call, world_size // tp, batch)
-    key = signature(f, params, example_args, example_kwargs, world_size, optimizer, budget_s)
-    cached = key in CACHE
-    if not cached:
-        CACHE[key] = measure(
-            f, params, example_args, example_kwargs, cands, optimizer, budget_s, batch, tp_mesh
+    builds, failed = [(f, params, tp, tp_mesh)], list[tuple[int, str]]()
+    if tensor_parallel is not None:
+        builds += tp_builds(call, tensor_parallel, params, world_size, failed)
+    notes = [(_note(world_size, t), f"tp={t}: {why}") for t, why in failed]
+    start, seconds = time.perf_counter(), 0.0
+    fits, dropped, steps = list[Plan](), list[tuple[Plan, str]](), dict[Any, float]()
+    for f_t, p_t, t, mesh in builds:
+        try:
+            cands, skipped = _candidates(call, world_size // t, batch)
+        except ValueError as err:  # (another tp may fit)
+            if len(builds) == 1:
+                raise
+            notes.append((_note(world_size, t), str(err).split(": ", 1)[-1]))
+            continue
+        key = signature(f, params, example_args, example_kwargs, world_size, optimizer, budget_s, t)
+        if key not in CACHE:
+            CACHE[key] = measure(
+                f_t, p_t, example_args, example_kwargs, cands, optimizer, budget_s, batch, mesh, start
+            )
+            seconds = time.perf_counter() - start
+        ms = CACHE[key]
+        at = dict(tp_mesh=mesh, function=f_t, params=p_t)
+        fit, drop = _rank(cands, ms, memory_limit, OPTIMIZERS[optimizer][1], skipped)
+        fits += [dataclasses.replace(c, **at) for c in fit]
+        dropped += drop
+        steps = ms.steps if t == tp else steps  # (verified steps: cached with the first build)
+    best = _best(call, fits, dropped + notes, memory_limit, seconds)
+    return verify_(example_args, example_kwargs, best, verify, optimizer, steps)
+
+
+def _note(world_size: int, tp: int) -> Plan:
+    return _unmeasured_layout(f"dp={world_size // tp} pp=1: ", tp)
+
+
+def _best(
+    call: str, fits: list[Plan], dropped: list[tuple[Plan, str]], limit: int | None, seconds: float
+) -> Plan:
+    """The fastest predicted of `fits`, holding the ranked list and the dropped ones."""
+    if not fits:
+        least = min((p for p, _ in dropped if p.predicted_peak_bytes), key=lambda p: p.predicted_peak_bytes)
+        raise ValueError(
+            f"{call}: no layout fits memory_limit={limit} bytes; the least memory reachable is "
+            f"{least.predicted_peak_bytes} bytes ({least.predicted_peak_bytes / 2**20:.1f} MiB, "
+            f"{least.layout}); raise memory_limit or use more ranks."
         )
-    ms = CACHE[key]
-    best = _rank(
-        call, cands, ms, memory_limit, OPTIMIZERS[optimizer][1], skipped, 0.0 if cached else ms.seconds
-    )
-    if tp_mesh is not None:
-        at = {"tp_mesh": tp_mesh}
-        best = dataclasses.replace(
-            best, candidates=tuple(dataclasses.replace(c, **at) for c in best.candidates), **at
-        )
-    return verify_(f, params, example_args, example_kwargs, best, verify, optimizer, ms.steps)
+    fits.sort(key=lambda p: p.predicted_step_s)
+    return dataclasses.replace(fits[0], candidates=tuple(fits), dropped=tuple(dropped), measure_s=seconds)
 
 
 def _rank(
-    call: str, cands: list[_Candidate], ms: Measured, limit: int | None, opt_factor: int,
-    skipped: list[str], seconds: float,
-) -> Plan:  # fmt: skip
+    cands: list[_Candidate], ms: Measured, limit: int | None, opt_factor: int, skipped: list[str]
+) -> tuple[list[Plan], list[tuple[Plan, str]]]:
+    """The candidates that fit `limit` (predicted), and the others with why."""
     fits, dropped = [], []
     for c in cands:
         if c.config in ms.skipped:
@@ -318,18 +361,7 @@ def _rank(
             )
         else:
             fits.append(p)
-    if not fits:
-        least = min((p for p, _ in dropped if p.predicted_peak_bytes), key=lambda p: p.predicted_peak_bytes)
-        raise ValueError(
-            f"{call}: no layout fits memory_limit={limit} bytes; the least memory reachable is "
-            f"{least.predicted_peak_bytes} bytes ({least.predicted_peak_bytes / 2**20:.1f} MiB, "
-            f"{least.layout}); raise memory_limit or use more ranks."
-        )
-    fits.sort(key=lambda p: p.predicted_step_s)
-    notes = tuple((_unmeasured_layout(s, ms.tp), s) for s in skipped)
-    return dataclasses.replace(
-        fits[0], candidates=tuple(fits), dropped=tuple(dropped) + notes, measure_s=seconds
-    )
+    return fits, dropped + [(_unmeasured_layout(s, ms.tp), s) for s in skipped]
 
 
 def _unmeasured(c: _Candidate, tp: int) -> Plan:

@@ -24,9 +24,9 @@ from .plan_cost import (
     optimizer_seconds,
     world,
 )
-from .plan_tp import entries, group
+from .plan_tp import entries, group, tp_layout
 
-__all__ = ["Measured", "measure", "replica", "signature", "CACHE"]
+__all__ = ["Measured", "measure", "replica", "signature", "tp_builds", "CACHE"]
 
 
 def replica(args: Any, rows: int) -> Any:
@@ -63,9 +63,10 @@ def signature(f: Any, params: Any, args: Any, kwargs: Any, *settings: Any) -> An
 
 def measure(
     f: Callable[..., Any], params: Any, args: Any, kwargs: Any, cands: list[Any],
-    optimizer: str, budget_s: float, batch: int, tp_mesh: Any,
+    optimizer: str, budget_s: float, batch: int, tp_mesh: Any, start: float,
 ) -> Measured:  # fmt: skip
-    start = time.perf_counter()
+    """Time `cands`' distinct configurations: the first of each dp x pp layout always, the others
+    while under `budget_s` seconds since `start` (the whole plan call's)."""
     costs: dict[Any, list[float]] = {}
     configs = {c.config: c for c in cands}
     sizes = {batch // k[0]: k for k in sorted(configs, key=lambda k: (k[0], k[1])) if k[2] > 1}
@@ -84,7 +85,8 @@ def measure(
         if tp_mesh is not None and n > max(len(blocks), 1):
             skipped[key] = f"with tp, stages begin at entries of a ModuleList: {len(blocks)} found"
             continue
-        if times and agree([time.perf_counter() - start], "max")[0] > budget_s:  # (one, at least)
+        first = all(k[0] // k[1] != c.dp for k in times)  # of its layout
+        if not first and agree([time.perf_counter() - start], "max")[0] > budget_s:
             skipped[key] = f"not measured: budget_s={budget_s:g} spent"
             continue
         a, k = replica((args, kwargs), batch // c.dp)
@@ -117,8 +119,8 @@ def measure(
 
 
 def _order(configs: dict[Any, Any]) -> list[Any]:
-    """The order configs are timed in: breadth first over the dp x pp layouts (so a budget that
-    runs out leaves each layout timed at least once), within one the fewest stages first."""
+    """The order configs are timed in: breadth first over the dp x pp layouts, within one the
+    fewest stages first."""
     by_dp: dict[int, list[Any]] = {}
     for k in sorted(configs, key=lambda k: (k[2], -k[0], sorted(k[3]))):
         by_dp.setdefault(k[0] // k[1], []).append(k)
@@ -135,3 +137,34 @@ def _segments(f: Any, params: Any, sub: Any, m: int, blocks: list[str], tp_mesh:
         cuts=blocks[1:], tp_mesh=tp_mesh,
     )  # fmt: skip
     return agree([fw + bw for fw, bw in zip(t.kinds["F"], t.kinds["B"])])
+
+
+def tp_builds(call: str, build: Any, params: Any, world_size: int, notes: list[Any]) -> list[Any]:
+    """(f, params, tp, tp mesh) of `build(tp_mesh)` for every tp > 1 dividing `world_size`, each
+    on a ("rest", "tp") mesh of (world_size // tp, tp); a tp whose build raises on any rank is
+    left out, with (tp, why) in `notes`."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not callable(build):
+        raise TypeError(f"{call}: tensor_parallel must be a function tp_mesh -> (f, params), got {build!r}.")
+    if any(isinstance(p, torch.Tensor) and hasattr(p, "placements") for p in tree_flatten(params)[0]):
+        raise ValueError(f"{call}: with tensor_parallel=, pass the plain model's f and params (tp = 1).")
+    if world()[1] == 1:
+        notes.append((world_size, "tp > 1 is planned under torchrun only"))
+        return []
+    out = []
+    device = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
+    for tp in (t for t in range(2, world_size + 1) if world_size % t == 0):
+        mesh = init_device_mesh(device, (world_size // tp, tp), mesh_dim_names=("rest", "tp"))["tp"]
+        try:
+            f, p = build(mesh)
+            got, why = tp_layout(call, p, world_size)[0], ""
+            if got != tp:
+                why = f"tensor_parallel(tp_mesh) gave parameters of tp={got}, not on the mesh it was given"
+        except Exception as err:  # (a model that does not divide by tp: its heads, its widths)
+            why = f"tensor_parallel(tp_mesh) raised {type(err).__name__}: {err}"
+        if agree([float(bool(why))], "max")[0]:
+            notes.append((tp, why or "tensor_parallel(tp_mesh) failed on another rank"))
+            continue
+        out.append((f, p, tp, mesh))
+    return out

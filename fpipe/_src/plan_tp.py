@@ -5,9 +5,14 @@ fpipe cannot shard an arbitrary function: a model is tensor-parallel because its
 parallelized it (`parallelize_module(model, mesh["tp"], plan)`), and `fpipe.plan` takes tp from
 the parameters. DTensor parameters on one 1-D mesh named "tp" give tp = its size, and the layouts
 enumerated are every dp x pp = world_size / tp around it (`tp_layout`); a model with plain
-parameters plans tp = 1. The tp mesh must hold consecutive ranks, (world_size // tp, tp) with tp
-last, because `pipeline(plan=p)` builds its ("dp", "pp", "tp") mesh that way and its "tp"
-sub-mesh must be the parameters' mesh; any other is refused before anything is measured.
+parameters plans tp = 1. With `plan(..., tensor_parallel=build)`, `build(tp_mesh) -> (f, params)`
+parallelizes a fresh model on a ("rest", "tp") mesh of (world_size // tp, tp) for every tp > 1
+dividing world_size (`plan_measure.tp_builds`; a tp whose build raises on any rank is dropped,
+saying why), and those tps are planned with tp = 1 and ranked together; each candidate carries
+its model (`Plan.function`, `Plan.params`). The tp mesh must hold consecutive ranks,
+(world_size // tp, tp) with tp last, because `pipeline(plan=p)` builds its ("dp", "pp", "tp")
+mesh that way, over the parameters' own tp group (plan.py `_mesh`: `DeviceMesh.from_group`);
+any other is refused before anything is measured.
 
 Cuts. fpipe does not choose operation-level cuts of a tensor-parallel function (its joint is
 traced from the function again, so a cut must be a module path: compiler.py `_cut`). The planner

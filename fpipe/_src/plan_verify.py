@@ -5,7 +5,7 @@ The predictions (NOTE [how fpipe.plan predicts] in plan.py) ran 0-33 % under the
 on a shared 2-core host, and the top layouts often lie within 10 % of each other: closer than
 the error, so a ranking by prediction alone picks among them by noise. Under torchrun,
 `plan(..., verify=k)` builds each of the k best predicted candidates as the job will run it
-(`pipeline(f, plan=c)`, its mesh and the replica's share of the batch) and times it:
+(`pipeline(c.function, plan=c)`, its mesh and the replica's share of the batch) and times it:
 value-and-grad plus the optimizer's step over this rank's gradients, one warm-up step and
 `_STEPS` timed, the median, the slowest rank's (every rank times the same steps, so every rank
 gets the same figures and the same pick). The fastest measured becomes the plan; the verified
@@ -71,9 +71,7 @@ def step_seconds(f: Any, params: Any, args: Any, kwargs: Any, c: Any, optimizer:
     return agree([statistics.median(times)], "max")[0]
 
 
-def verify(
-    f: Any, params: Any, args: Any, kwargs: Any, best: Any, k: int, optimizer: str, steps: dict[Any, float]
-) -> Any:
+def verify(args: Any, kwargs: Any, best: Any, k: int, optimizer: str, steps: dict[Any, float]) -> Any:
     """`best` (a ranked Plan) with its first `k` candidates timed on this job and the fastest of
     them chosen (NOTE [plan verification]); unchanged in one process or with k = 0. `steps`
     caches the measured seconds by (layout, stages) for a later call with the same inputs."""
@@ -84,7 +82,7 @@ def verify(
     for c in best.candidates[:k]:
         key = (c.layout, c.stages)
         if key not in steps:
-            steps[key] = step_seconds(f, params, args, kwargs, c, optimizer)
+            steps[key] = step_seconds(c.function, c.params, args, kwargs, c, optimizer)
         timed.append(dataclasses.replace(c, measured_step_s=steps[key]))
     timed.sort(key=lambda c: c.measured_step_s)
     rest = best.candidates[len(timed) :]

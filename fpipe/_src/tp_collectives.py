@@ -126,6 +126,20 @@ def _alone(x: torch.Tensor, *_args: Any) -> torch.Tensor:
     return x.clone()
 
 
+def _same_ranks(name: Any, tp_group_name: str | None) -> bool:
+    """The traced collective's group is the tp group, or has its ranks: DTensor takes meshes of
+    the same ranks and layout for one (`DeviceMesh.__eq__`, its sharding cache), so a model
+    parallelized on one such mesh may trace collectives on the group of another."""
+    if name == tp_group_name or tp_group_name is None or not isinstance(name, str):
+        return name == tp_group_name
+    resolve = dist.distributed_c10d._resolve_process_group
+    try:
+        theirs = dist.get_process_group_ranks(resolve(name))
+    except (KeyError, ValueError, RuntimeError):
+        return False
+    return bool(theirs == dist.get_process_group_ranks(resolve(tp_group_name)))
+
+
 def rewrite(call: str, gm: fx.GraphModule, tp_group_name: str | None, alone: bool = False) -> fx.GraphModule:
     """Each functional collective on the tp group -> fpipe's collective (`alone`: a tp dimension
     of size 1, the value itself); its waits -> nothing (NOTE [collectives in stage programs]).
@@ -146,7 +160,7 @@ def rewrite(call: str, gm: fx.GraphModule, tp_group_name: str | None, alone: boo
                 )
             continue
         fn, at = TP_OPS[node.target]
-        if node.args[at] != tp_group_name:
+        if not _same_ranks(node.args[at], tp_group_name):
             raise ValueError(
                 f"{call}: the traced function runs a collective on process group "
                 f"{node.args[at]!r}, which is not the pipeline mesh's 'tp' dimension "

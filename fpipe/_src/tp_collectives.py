@@ -132,7 +132,7 @@ def _same_ranks(name: Any, tp_group_name: str | None) -> bool:
     parallelized on one such mesh may trace collectives on the group of another."""
     if name == tp_group_name or tp_group_name is None or not isinstance(name, str):
         return name == tp_group_name
-    resolve = dist.distributed_c10d._resolve_process_group
+    resolve: Any = dist.distributed_c10d._resolve_process_group  # (takes a group name)
     try:
         theirs = dist.get_process_group_ranks(resolve(name))
     except (KeyError, ValueError, RuntimeError):

@@ -40,8 +40,7 @@ from models import CONFIGS, GPT, cuts_for, fpipe_revision, lm_loss, make_batch  
 import fpipe  # noqa: E402
 from fpipe._src.memory import predict  # noqa: E402
 from fpipe._src.partition import node_cost  # noqa: E402
-from fpipe._src.remat import apply, candidates, checkpointed  # noqa: E402
-from fpipe._src.remat_choose import HEADROOM_PARTS  # noqa: E402
+from fpipe._src.remat_choose import HEADROOM_PARTS, least  # noqa: E402
 from fpipe._src.run import LocalRunner  # noqa: E402
 from fpipe._src.run_dist import DistRunner  # noqa: E402
 
@@ -91,16 +90,19 @@ def costs(piped: fpipe.Pipelined) -> tuple[float, float]:
 
 
 def least_limit(piped: fpipe.Pipelined) -> int:
-    """The least memory_limit fpipe can meet on this rank: the predicted peak with everything it
-    can recompute recomputed, plus its headroom (what `pipeline` would refuse, found without
-    asking it: a refusal on one rank ends the group's run)."""
+    """The least memory_limit fpipe can meet on this rank: the least peak its chooser finds,
+    plus its headroom (what `pipeline` would refuse, found without asking it: a refusal on one
+    rank ends the group's run)."""
     c = piped._last
     assert c is not None and c.base is not None
-    st = apply(c.base, {*checkpointed(c.base), *candidates(c.base, piped.local_stages)})
-    sched = c.runner.schedule
-    runner = DistRunner(st, sched, piped.pg, piped.cfg.timeout) if piped.pg else LocalRunner(st, sched)
-    summed = frozenset(st.n_outs + j for j in range(len(c.diff)))  # the params: passed whole
-    peak = predict(st, runner, summed, piped.cfg.microbatches).peak
+    sched, n_mb = c.runner.schedule, piped.cfg.microbatches
+    summed = frozenset(c.base.n_outs + j for j in range(len(c.diff)))  # the params: passed whole
+
+    def predicted(st: Any) -> Any:
+        runner = DistRunner(st, sched, piped.pg, piped.cfg.timeout) if piped.pg else LocalRunner(st, sched)
+        return predict(st, runner, summed, n_mb)
+
+    peak = least(c.base, predicted, piped.local_stages).peak
     return -(-peak * HEADROOM_PARTS // (HEADROOM_PARTS - 1))
 
 

@@ -106,8 +106,71 @@ def test_a_limit_is_met_with_exact_gradients(model, schedule, stages):
     held = _held(piped, params, args)
     assert [(a, h) for a, _, h in report.actions] == held  # the prediction is the runner's account
     assert max(h for _, h in held) <= limit
-    fpipe.value_and_grad(free)(params, *args)
+    _, free_grads = fpipe.value_and_grad(free)(params, *args)
+    torch.testing.assert_close(grads, free_grads, rtol=0, atol=0)  # bit for bit
     assert sum(_extra_ops(piped, free, s) for s in range(stages)) > 0
+
+
+def _copies(piped: fpipe.Pipelined, place: Any) -> list[int]:
+    """The positions, in backward program `place`, of the operations copied from the stage's
+    forward (a copy carries its original's fake value)."""
+    st = piped._last.staged
+    forward = {id(n.meta.get("val")) for n in st.programs["F", place[1]].gm.graph.nodes if "val" in n.meta}
+    nodes = [n for n in st.programs[place].gm.graph.nodes if n.op == "call_function"]
+    return [i for i, n in enumerate(nodes) if id(n.meta.get("val")) in forward]
+
+
+def _runs(positions: list[int]) -> int:
+    """How many runs of consecutive positions."""
+    return sum(1 for i, p in enumerate(positions) if i == 0 or positions[i - 1] != p - 1)
+
+
+# Near the least each case reaches (these small models' gradient sums are a large share).
+TIGHT = [("gpt", "1f1b", 4, 0.55), ("gpt", "zbv", 4, 0.6), ("gpt", "zb-h1", 2, 0.6)]
+
+
+@pytest.mark.parametrize(("model", "schedule", "stages", "fraction"), TIGHT)
+def test_a_tight_limit_is_met_recomputing_segment_by_segment(model, schedule, stages, fraction):
+    """A limit near the least reachable: met (predicted, and held by the runner), gradients bit
+    for bit the unconstrained pipeline's, and the backward recomputes segment by segment: from
+    the anchors (the residual stream, a layer's output) it reads, in several runs, each just
+    before the backward that needs it, so what it recomputes is never all alive at once."""
+    from fpipe._src.remat_segments import anchors
+
+    loss, params, args = (gpt if model == "gpt" else mlp)(stages)
+    sched = _schedule(schedule, stages, 8)
+    free = fpipe.pipeline(loss, microbatches=8, schedule=sched)
+    limit = int(fraction * free.memory(params, *args))
+    piped = fpipe.pipeline(loss, microbatches=8, schedule=sched, memory_limit=limit)
+    assert piped.memory(params, *args) <= 0.9 * limit
+    _, grads = fpipe.value_and_grad(piped)(params, *args)
+    _, free_grads = fpipe.value_and_grad(free)(params, *args)
+    torch.testing.assert_close(grads, free_grads, rtol=0, atol=0)
+    assert max(h for _, h in _held(piped, params, args)) <= limit
+    st, base = piped._last.staged, piped._last.base
+    segmented = 0
+    for place, prog in st.programs.items():
+        copies = _copies(piped, place) if place[0] != "F" else []
+        if _runs(copies) > 1 and anchors(base, place[1]) & set(prog.inputs):
+            segmented += 1
+            most, total = _recomputed_alive(prog.gm, copies)
+            assert most < total, (place, most, total)
+    assert segmented > 0
+
+
+def _recomputed_alive(gm: Any, copies: list[int]) -> tuple[int, int]:
+    """The most bytes of recomputed storages alive at once in `gm`, and all of them."""
+    from fpipe._src import memory_graph
+
+    nodes = list(gm.graph.nodes)
+    ops = [n for n in nodes if n.op == "call_function"]
+    walk = memory_graph._Walk()
+    for i, n in enumerate(nodes):
+        walk.visit(i, n)
+    end = memory_graph._ends(nodes, walk)
+    mine = {sid for i in copies for sid in walk.held.get(ops[i], ()) if sid in walk.sizes}
+    alive = [sum(walk.sizes[s] for s in mine if walk.born[s] <= i <= end[s]) for i in range(len(nodes))]
+    return max(alive), sum(walk.sizes[s] for s in mine)
 
 
 def test_an_impossible_limit_is_refused_before_anything_runs():
@@ -132,25 +195,51 @@ def test_values_of_stages_holding_more_microbatches_are_dropped_first():
     the peak / cost. Of two equal stages (an MLP's stages 1 and 2: two equal layers each), the
     one holding more microbatches drops first, and a stage holding none at the peak drops
     nothing."""
-    from fpipe._src import remat, remat_choose
+    from fpipe._src import remat_choose
     from fpipe._src.memory import MemoryReport, StageMemory
 
     loss, params, args = mlp(4)
     piped = fpipe.pipeline(loss, microbatches=4, schedule="1f1b")
     piped.memory(params, *args)
     st = next(iter(piped._cache.values())).staged
-    pool = remat.candidates(st, range(4))
-    cost = {c: remat_choose._cost(st, c) for c in pool}
 
     def first(flight: list[int], excess: int = 1) -> set[int]:
         rows = tuple(StageMemory(s, s, 0, 0, 0, f, 0) for s, f in enumerate(flight))
-        return {
-            p[1] for p, _ in remat_choose._batch(st, pool, set(), cost, MemoryReport(0, "", rows, ()), excess)
-        }
+        report = MemoryReport(0, "", rows, ())
+        search = remat_choose._Search(st, set(), lambda _: report, list(range(4)), {}, report)
+        return {p[1] for p, _ in search._batch(excess)}
 
     assert first([0, 3, 2, 0]) == {1}
     assert first([0, 2, 3, 0]) == {2}
     assert first([4, 3, 2, 0], 10**12) == {0, 1, 2}  # stage 3 holds nothing at the peak
+
+
+def test_anchors_are_the_values_a_stage_carries_alone():
+    """A layer stack carries one value past every operation: each is an anchor, every layer's
+    output among them; a GPT's first stage's are the residual stream (between blocks and
+    between a block's halves)."""
+    from fpipe._src.remat_segments import anchors
+
+    loss, params, args = mlp(2)
+    piped = fpipe.pipeline(loss, microbatches=4, schedule="1f1b")
+    piped.memory(params, *args)
+    st = next(iter(piped._cache.values())).staged
+    for s in range(2):
+        names = {n.name: n for n in st.programs["F", s].gm.graph.nodes}
+        found = {names[a].target for a in anchors(st, s)}
+        assert {torch.ops.aten.addmm.default, torch.ops.aten.tanh.default} <= found, found
+        tanhs = {n for n, node in names.items() if node.target is torch.ops.aten.tanh.default}
+        assert len(tanhs - anchors(st, s)) <= 1  # the stage's output: nothing after it reads it
+
+    torch.manual_seed(0)
+    fn, params = fpipe.functionalize(GPT(vocab=32, d=16, n_head=2, n_layer=4, seq=8, stages=2))
+    tokens = torch.randint(0, 32, (8, 8))
+    piped = fpipe.pipeline(lambda p, x, y: lm_loss(fn(p, x), y), microbatches=2, schedule="1f1b")
+    piped.memory(params, tokens, tokens)
+    st = next(iter(piped._cache.values())).staged
+    adds = {n.name for n in st.programs["F", 0].gm.graph.nodes if n.target is torch.ops.aten.add.Tensor}
+    assert anchors(st, 0) - adds == {"embedding"}  # the token embedding, before the position's
+    assert len(anchors(st, 0) & adds) >= 4  # the embeddings' sum, and after each half-block
 
 
 @pytest.mark.parametrize("bad", [0, -5, 1.5, True])

@@ -23,6 +23,15 @@ captured.py) arrive with `meta["recompute"]` on their forward operations: every 
 such an operation makes is dropped, and a walk that leaves the region stops at the value it
 leaves by -- the region's inputs are kept (a new output of F if F did not return it), as
 checkpoint keeps them. Which further values to drop under `memory_limit` is remat_choose.py.
+
+The copies go in just before their first readers (`_just_in_time`): a backward reads a
+segment's values where it differentiates that segment, so each segment is recomputed right
+before its backward and its values die with it (NOTE [recomputing segment by segment] in
+remat_segments.py). A process group's runner may run a B program that sends as two halves, the
+input gradients (sent at once) and then the weight gradients (run_dist.py, split_iw.py); the I
+half would then hand the W half every recomputed value the weight gradients read -- the whole
+recomputed forward alive at once. A program that recomputes is marked (`RECOMPUTES` in its
+graph module's `meta`) and run whole.
 """
 
 from __future__ import annotations
@@ -35,14 +44,26 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _LazyGraphModule  # code made at its first run
 
 from .rng import seeded
 from .staged import Place, Program, Staged
 from .trace import is_mutating
 
-__all__ = ["Drop", "apply", "candidates", "checkpointed", "recompute_nodes", "tagged"]
+__all__ = [
+    "Drop",
+    "Keep",
+    "apply",
+    "candidates",
+    "checkpointed",
+    "node_of",
+    "recompute_nodes",
+    "stops",
+    "tagged",
+]
 
 Drop = tuple[Place, str]  # program P recomputes value v
+RECOMPUTES = "fpipe_recomputes"  # in the `meta` of a program that recomputes
 _BACKWARD = ("B", "I", "W")
 
 
@@ -62,9 +83,16 @@ def recomputable(node: fx.Node) -> bool:
     return isinstance(t, torch._ops.OpOverload) and t.namespace in ("aten", "prims")
 
 
-def _node_of(prog: Program) -> dict[str, fx.Node]:
+def node_of(prog: Program) -> dict[str, fx.Node]:
     """The node of each value `prog` reads or returns, by value name (by position: a node's own
-    name is no value's name once a rewrite has copied nodes in, fx renumbers them)."""
+    name is no value's name once a rewrite has copied nodes in, fx renumbers them). Kept on
+    `prog` (a rewrite makes a new program)."""
+    if "_fpipe_node_of" not in prog.__dict__:
+        prog.__dict__["_fpipe_node_of"] = _node_of(prog)
+    return prog.__dict__["_fpipe_node_of"]  # type: ignore[no-any-return]
+
+
+def _node_of(prog: Program) -> dict[str, fx.Node]:
     out: dict[str, fx.Node] = {}
     phs = [n for n in prog.gm.graph.nodes if n.op == "placeholder"]
     out.update(zip(prog.inputs, phs))
@@ -74,23 +102,31 @@ def _node_of(prog: Program) -> dict[str, fx.Node]:
 
 
 def _names(prog: Program) -> dict[fx.Node, str]:
-    """The value name of each input and output node of `prog`."""
-    return {n: name for name, n in _node_of(prog).items()}
+    """The value name of each input and output node of `prog` (kept on it: do not change)."""
+    if "_fpipe_names" not in prog.__dict__:
+        prog.__dict__["_fpipe_names"] = {n: name for name, n in node_of(prog).items()}
+    return prog.__dict__["_fpipe_names"]  # type: ignore[no-any-return]
 
 
 class _Walk:
-    """What P needs to recompute value(s) of Q: the Q nodes to copy and the values to read."""
+    """What P needs to recompute value(s) of Q: the Q nodes to copy and the values to read.
+    `keep`: Q's values (by node name; Q an F) the walk stops at though Q may not return them."""
 
-    def __init__(self, q: Program, stop: set[str]) -> None:
-        self.q, self.stop, self.name = q, stop, _names(q)
+    def __init__(self, q: Program, stop: set[str], keep: frozenset[str] = frozenset()) -> None:
+        self.q, self.stop, self.keep, self.name = q, stop, keep, _names(q)
         self.copy: dict[fx.Node, None] = {}  # Q nodes to copy, in Q's order once sorted
         self.read: dict[fx.Node, None] = {}  # Q nodes whose values P reads
         self.ok = True
 
-    def visit(self, node: fx.Node, from_region: bool = False) -> None:
+    def visit(self, node: fx.Node) -> None:
         if node in self.copy or node in self.read:
             return
-        if node.op == "placeholder" or self.name.get(node) in self.stop or (from_region and not tagged(node)):
+        if (
+            node.op == "placeholder"
+            or self.name.get(node) in self.stop
+            or node.name in self.keep
+            or node in region_inputs(self.q)
+        ):
             self.read[node] = None
             return
         if not recomputable(node):
@@ -98,18 +134,35 @@ class _Walk:
             return
         self.copy[node] = None
         for d in node.all_input_nodes:
-            self.visit(d, tagged(node))
+            self.visit(d)
 
 
-def recompute_nodes(q: Program, names: Iterable[str], stop: set[str]) -> _Walk:
-    """The walk back from Q's values `names` to `stop` (and Q's inputs, and region inputs)."""
-    walk, node_of = _Walk(q, stop), _node_of(q)
+def region_inputs(q: Program) -> set[fx.Node]:
+    """The values of `q` a checkpoint region reads that it does not make (its inputs: kept, as
+    `torch.utils.checkpoint` keeps them), found once per graph."""
+    got = q.gm.__dict__.get("_fpipe_region_inputs")
+    if got is None:
+        got = q.gm.__dict__["_fpipe_region_inputs"] = {
+            n for n in q.gm.graph.nodes if any(tagged(u) and _region(u) != _region(n) for u in n.users)
+        }
+    return got  # type: ignore[no-any-return]
+
+
+def _region(n: fx.Node) -> Any:
+    return n.meta.get("recompute")
+
+
+def recompute_nodes(
+    q: Program, names: Iterable[str], stop: set[str], keep: frozenset[str] = frozenset()
+) -> _Walk:
+    """The walk back from Q's values `names` to `stop` (and Q's inputs, region inputs, `keep`)."""
+    walk, nodes = _Walk(q, stop, keep), node_of(q)
     for v in names:
-        walk.visit(node_of[v], False)
+        walk.visit(nodes[v])
     return walk
 
 
-def _stops(st: Staged, p: Place, dropped: set[str], drops: set[Drop]) -> set[str]:
+def stops(st: Staged, p: Place, dropped: set[str], drops: set[Drop]) -> set[str]:
     """Values P may read instead of recomputing: what it reads and keeps, and (P = B or I)
     what a later backward program of the stage reads and keeps."""
     later = [p] + ([("W", p[1])] if p[0] in ("B", "I") else [])
@@ -135,7 +188,7 @@ def candidates(st: Staged, stages: Iterable[int]) -> list[Drop]:
                 if q is None or q[1] != s or q == prog.place or v in returned:
                     continue
                 if q[0] == "F" or (q[0] == "I" and kind == "W"):
-                    walk = recompute_nodes(st.programs[q], [v], _stops(st, prog.place, {v}, set()))
+                    walk = recompute_nodes(st.programs[q], [v], stops(st, prog.place, {v}, set()))
                     if walk.ok and walk.copy:
                         out.append((prog.place, v))
     return out
@@ -150,31 +203,34 @@ def checkpointed(st: Staged) -> list[Drop]:
         f = st.programs.get(("F", s))
         if f is None:
             continue
-        node_of = _node_of(f)
+        nodes = node_of(f)
         for v in prog.inputs:
-            n = node_of.get(v) if st.producer.get(v) == ("F", s) else None
+            n = nodes.get(v) if st.producer.get(v) == ("F", s) else None
             if n is not None and n.op == "call_function" and tagged(n):
                 out.append((prog.place, v))
     return out
 
 
 Memo = dict[Any, Any]
+Keep = dict[int, frozenset[str]]  # per stage: values of its F a recomputation stops at
 
 
-def apply(base: Staged, drops: Iterable[Drop], memo: Memo | None = None) -> Staged:
+def apply(base: Staged, drops: Iterable[Drop], memo: Memo | None = None, keep: Keep | None = None) -> Staged:
     """`base` with each drop's value recomputed in its program (NOTE [recomputing in the
-    backward]). Drops whose value needs an operation that cannot run again are left out.
-    `memo` (one per `base`) keeps each stage's rewrite by its drops: a stage's drops change only
-    its own programs (and who reads its inputs), so a choice that changes one stage rewrites one."""
+    backward]), back to the nearest values kept: `keep[s]` names values of stage s's F the
+    recomputation stops at (F returns them if it did not). Drops whose value needs an operation
+    that cannot run again are left out. `memo` (one per `base`) keeps each stage's rewrite by
+    its drops and keeps: they change only the stage's own programs (and who reads its inputs),
+    so a choice that changes one stage rewrites one."""
     memo = {} if memo is None else memo
-    drops = set(drops)
+    drops, keep = set(drops), keep or {}
     programs = dict(base.programs)
     consumers = {k: list(v) for k, v in base.consumers.items()}
     producer = dict(base.producer)
     for s in sorted({p[1] for p, _ in drops}):
-        key = (s, frozenset(d for d in drops if d[0][1] == s))
+        key = (s, frozenset(d for d in drops if d[0][1] == s), keep.get(s, frozenset()))
         if key not in memo:
-            memo[key] = _stage_rewrite(base, set(key[1]))
+            memo[key] = _stage_rewrite(base, set(key[1]), key[2])
         progs, added, removed, made = memo[key]
         programs.update(progs)
         producer.update(made)
@@ -197,7 +253,7 @@ def apply(base: Staged, drops: Iterable[Drop], memo: Memo | None = None) -> Stag
 
 
 def _stage_rewrite(
-    base: Staged, drops: set[Drop]
+    base: Staged, drops: set[Drop], keep: frozenset[str]
 ) -> tuple[dict[Place, Program], list[Any], list[Any], dict[str, Place]]:
     """One stage's drops applied: its new programs, the (value, reader) pairs added and removed,
     and the values its programs newly return."""
@@ -212,7 +268,7 @@ def _stage_rewrite(
         by_p[p].add(v)
     order = {"B": 0, "I": 0, "W": 1}
     for p in sorted(by_p, key=lambda p: order[p[0]]):  # W after I: it may read I's new values
-        _recompute_in(st, p, by_p[p], drops)
+        _recompute_in(st, p, by_p[p], drops, keep)
     progs = {k: v for k, v in st.programs.items() if base.programs.get(k) is not v}
     added, removed = [], []
     for name in {*st.consumers, *base.consumers}:
@@ -223,7 +279,7 @@ def _stage_rewrite(
     return progs, sorted(added), sorted(removed), made
 
 
-def _recompute_in(st: Staged, p: Place, names: set[str], drops: set[Drop]) -> None:
+def _recompute_in(st: Staged, p: Place, names: set[str], drops: set[Drop], keep: frozenset[str]) -> None:
     """Rewrite P (and Q, where it must return a region input) in `st`'s dicts, in place."""
     prog = st.programs[p]
     by_q: dict[Place, list[str]] = defaultdict(list)
@@ -232,18 +288,18 @@ def _recompute_in(st: Staged, p: Place, names: set[str], drops: set[Drop]) -> No
     g, val_map = _placeholders_first(prog.gm)
     phs = {name: val_map[n] for name, n in zip(prog.inputs, prog.gm.graph.find_nodes(op="placeholder"))}
     inputs = list(prog.inputs)
-    stop = _stops(st, p, names, drops)
+    stop = stops(st, p, names, drops)
     for q, vs in by_q.items():
         qprog = st.programs[q]
-        walk = recompute_nodes(qprog, vs, stop)
+        walk = recompute_nodes(qprog, vs, stop, keep if q[0] == "F" else frozenset())
         if not walk.ok:
             continue
-        qnames = _names(qprog)
+        qnames = dict(_names(qprog))
         env: dict[fx.Node, fx.Node] = {}
         kept = []  # region inputs Q must now return, named as in the joint graph (Q is an F:
         for n in walk.read:  # its graph is never rewritten, so its node names are the joint's)
             if n not in qnames:
-                assert q[0] == "F" and n.name in st.meta and n.name not in st.producer, n
+                assert q[0] == "F" and n.name in st.meta, n
                 qnames[n] = n.name
                 kept.append(n)
                 st.producer[n.name] = q
@@ -257,19 +313,38 @@ def _recompute_in(st: Staged, p: Place, names: set[str], drops: set[Drop]) -> No
         if first is None:  # nothing reads them
             walk.copy.clear()
             first = out_node(g)
+        copies = []
         with g.inserting_before(first):
             for n in sorted(walk.copy, key=lambda n: qorder.get(n, -1)):
                 env[n] = g.node_copy(n, env.__getitem__)
+                copies.append(env[n])
         for v in vs:
-            if _node_of(qprog)[v] in walk.read:  # a region's input as well: kept (and read)
+            if node_of(qprog)[v] in walk.read:  # a region's input as well: kept (and read)
                 continue
             ph = phs.pop(v)
-            ph.replace_all_uses_with(env[_node_of(qprog)[v]])  # qprog: the walked graph
+            ph.replace_all_uses_with(env[node_of(qprog)[v]])  # qprog: the walked graph
             g.erase_node(ph)
             inputs.remove(v)
             st.consumers[v] = [c for c in st.consumers.get(v, []) if c != p]
+        _just_in_time(g, copies)
     g.lint()
-    st.programs[p] = dataclasses.replace(prog, gm=fx.GraphModule({}, g), inputs=inputs)
+    gm = _LazyGraphModule({}, g)
+    gm.meta[RECOMPUTES] = True  # NOTE [recomputing in the backward]: not split at run time
+    st.programs[p] = dataclasses.replace(prog, gm=gm, inputs=inputs)
+
+
+def _just_in_time(g: fx.Graph, copies: list[fx.Node]) -> None:
+    """Move each copied operation (`copies`, in their order) to just before its first reader:
+    P's backward of a segment then recomputes that segment only, right before it, and the
+    recomputed values live from there to their last reader, not all from P's first one."""
+    pos = _position(g)
+    mine = set(copies)
+    anchor: dict[fx.Node, fx.Node] = {}
+    for n in reversed(copies):
+        users = [anchor[u] if u in mine else u for u in n.users]
+        anchor[n] = min(users, key=pos, default=out_node(g))
+    for n in copies:  # in order: copies before the same reader keep their order
+        anchor[n].prepend(n)
 
 
 def out_node(g: fx.Graph) -> fx.Node:
@@ -317,7 +392,7 @@ def _with_outputs(prog: Program, nodes: list[fx.Node], names: list[str]) -> Prog
     val_map: dict[fx.Node, fx.Node] = {}
     out = g.graph_copy(prog.gm.graph, val_map)
     g.output([*out, *(val_map[n] for n in nodes)])  # type: ignore[misc]
-    return dataclasses.replace(prog, gm=fx.GraphModule({}, g), outputs=[*prog.outputs, *names])
+    return dataclasses.replace(prog, gm=_LazyGraphModule({}, g), outputs=[*prog.outputs, *names])
 
 
 def _without_outputs(prog: Program, gone: set[str]) -> Program:
@@ -327,4 +402,4 @@ def _without_outputs(prog: Program, gone: set[str]) -> Program:
     keep = [i for i, n in enumerate(prog.outputs) if n not in gone]
     g.output([out[i] for i in keep])  # type: ignore[index]
     g.eliminate_dead_code(is_impure_node=lambda n: n.op in ("placeholder", "output") or is_mutating(n))
-    return dataclasses.replace(prog, gm=fx.GraphModule({}, g), outputs=[prog.outputs[i] for i in keep])
+    return dataclasses.replace(prog, gm=_LazyGraphModule({}, g), outputs=[prog.outputs[i] for i in keep])

@@ -5,20 +5,30 @@
 plan that keeps every saved value (with the values of `torch.utils.checkpoint` regions already
 recomputed, remat.py) and predicts this rank's peak (memory.py: the held values per microbatch
 in flight, the running program's own peak -- the recomputation inside a backward included --
-and the zero-bubble W halves' inputs). While the peak is over the limit it drops more values
-(remat.py's drops), best first by
+and the zero-bubble W halves' inputs), against the limit less a 10 % headroom
+(`HEADROOM_PARTS`: what the prediction does not see). While the peak is over it, `_Search`:
 
-    bytes of the value x microbatches of its stage held at the peak / cost of recomputing it
+1. keeps each stage's anchors (NOTE [recomputing segment by segment] in remat_segments.py: the
+   residual stream between blocks) and drops *units* (the reads that free one storage), best
+   first by
 
-(`partition.node_cost` of the copied operations) -- against the limit less a 10 % headroom
-(`HEADROOM_PARTS`: what the prediction does not see) -- so a stage holding more microbatches (1F1B's
-stage i holds min(p - i, m)) recomputes first and a stage holding one recomputes last; each
-round drops enough to cover the predicted excess, then predicts again. Once under the limit it
-takes drops back (up to six, the least bytes per cost first) while the step stays under. The choice is greedy -- not a min-cut -- and every step of it is checked by the
-prediction, never assumed. A limit the prediction says no set of drops meets is a ValueError
-before anything runs, naming the least peak found and the limit. Each rank chooses for its own
-stages (the other ranks' programs do not change what it sends or receives: a drop only adds
-readers on the stage's own rank).
+       bytes of the storage x microbatches of its stage held at the peak / cost it adds
+
+   (`partition.node_cost` of the operations it adds to the recomputation already chosen,
+   stopping at the nearest kept value or anchor) -- so a stage holding more microbatches
+   (1F1B's stage i holds min(p - i, m)) recomputes first and a stage holding one last, and a
+   cheap value of a kept product (a GELU of a kept matrix product) goes before the product;
+   each round drops enough to cover the predicted excess, then predicts again;
+2. if every unit is dropped and the peak is still over, lets anchors go, one at a time (the
+   most bytes per cost first), each kept only if the predicted peak falls: two segments then
+   recompute as one, holding one anchor fewer per microbatch and more while the backward runs;
+3. once under, takes units back (up to `_TRIALS`, the least bytes per cost first) while the
+   step stays under.
+
+Every step is checked by the prediction, never assumed; the choice is greedy, not a min-cut. A
+limit no plan tried meets is a ValueError before anything runs, naming the least limit that
+the least peak found meets. Each rank chooses for its own stages (the other ranks' programs do
+not change what it sends or receives: a drop only adds readers on the stage's own rank).
 """
 
 from __future__ import annotations
@@ -27,11 +37,11 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from .memory import MemoryReport
-from .partition import node_cost
-from .remat import Drop, apply, candidates, checkpointed, recompute_nodes
+from .remat import Drop, Keep, apply, candidates, checkpointed
+from .remat_segments import Costs, Unit, anchors, storage_key, units
 from .staged import Staged
 
-__all__ = ["choose"]
+__all__ = ["choose", "least"]
 
 Predict = Callable[[Staged], MemoryReport]
 # The share of the limit kept free for what the prediction does not see (allocator slack, kernel
@@ -39,7 +49,7 @@ Predict = Callable[[Staged], MemoryReport]
 # ran up to 6.7 % under the resident-set growth (a 2-rank ZBV step of 18 MB, tests/test_memory.py),
 # so a plan predicted just under the limit could exceed it.
 HEADROOM_PARTS = 10  # 1/10th: 10 %
-_TRIALS = 6  # drops `_prune` tries to take back
+_TRIALS = 8  # units `_prune` tries to take back
 
 
 def _mib(n: int) -> str:
@@ -57,91 +67,161 @@ def choose(call: str, base: Staged, limit: int | None, predict: Predict, stages:
     report = predict(st)
     if report.peak <= target:
         return st
-    pool = [c for c in candidates(base, stages) if c not in forced]
-    cost = {c: _cost(base, c) for c in pool}
-    drops, best = set(forced), report
-    while report.peak > target:
-        batch = _batch(base, pool, drops, cost, report, report.peak - target)
-        if not batch:
-            break
-        drops |= batch
-        st = apply(base, drops, memo)
-        report = predict(st)
-        best = min(best, report, key=lambda r: r.peak)
-    if report.peak > target:
-        everything = predict(apply(base, {*forced, *pool}, memo))
-        best = min(best, everything, key=lambda r: r.peak)
-        rank = best.stages[0].rank if best.stages else 0
-        least = -(
-            -best.peak * HEADROOM_PARTS // (HEADROOM_PARTS - 1)
-        )  # the least limit whose target it meets
-        raise ValueError(
-            f"{call}: memory_limit={limit} bytes ({_mib(limit)}) cannot be met on pipeline rank "
-            f"{rank}: recomputing in the backward what fpipe can, the least this rank's step "
-            f"needs is {best.peak} bytes ({_mib(best.peak)}, peak during {best.at}), so the "
-            f"least limit fpipe can meet is memory_limit={least} (it keeps {1 / HEADROOM_PARTS:.0%} below "
-            "the limit for what its prediction does not see). Raise the limit, or hold less: more "
-            "stages, more microbatches (smaller ones), or a schedule that keeps fewer "
-            "microbatches in flight ('1f1b' rather than 'gpipe' or 'zb-h1')."
-        )
-    return _prune(base, drops - forced, forced, cost, target, predict, memo)
+    search = _Search(base, forced, predict, list(stages), memo, report)
+    if search.meet(target):
+        return search.prune(target)
+    raise _refusal(call, limit, search.best)
 
 
-def _cost(st: Staged, d: Drop) -> float:
-    p, v = d
-    walk = recompute_nodes(st.programs[st.producer[v]], [v], set(st.programs[p].inputs) - {v})
-    return 1.0 + sum(node_cost(n) for n in walk.copy)
+def least(base: Staged, predict: Predict, stages: Iterable[int]) -> MemoryReport:
+    """The least peak `choose` finds for this rank (what the least limit it meets is made of)."""
+    forced, memo = set(checkpointed(base)), dict[Any, Any]()
+    report = predict(apply(base, forced, memo) if forced else base)
+    search = _Search(base, forced, predict, list(stages), memo, report)
+    search.meet(0)
+    return search.best
 
 
-def _bytes(st: Staged, v: str) -> int:
-    shape, dtype = st.meta[v][:2] if v in st.meta else ((), None)
-    if dtype is None:
-        return 0
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n * dtype.itemsize
-
-
-def _score(st: Staged, d: Drop, cost: dict[Drop, float], flight: dict[int, int]) -> float:
-    return _bytes(st, d[1]) * flight.get(d[0][1], 0) / cost[d]
-
-
-def _batch(
-    st: Staged, pool: list[Drop], drops: set[Drop], cost: dict[Drop, float], report: MemoryReport, excess: int
-) -> set[Drop]:
-    """The best-scoring drops whose values' bytes x microbatches in flight cover `excess`."""
-    flight = {s.stage: s.in_flight for s in report.stages}
-    ranked = sorted(
-        (c for c in pool if c not in drops and flight.get(c[0][1], 0) > 0),
-        key=lambda c: (-_score(st, c, cost, flight), c),
+def _refusal(call: str, limit: int, best: MemoryReport) -> ValueError:
+    rank = best.stages[0].rank if best.stages else 0
+    least = -(-best.peak * HEADROOM_PARTS // (HEADROOM_PARTS - 1))  # the least limit whose target it meets
+    return ValueError(
+        f"{call}: memory_limit={limit} bytes ({_mib(limit)}) cannot be met on pipeline rank "
+        f"{rank}: recomputing in the backward what fpipe can, the least this rank's step "
+        f"needs is {best.peak} bytes ({_mib(best.peak)}, peak during {best.at}), so the "
+        f"least limit fpipe can meet is memory_limit={least} (it keeps {1 / HEADROOM_PARTS:.0%} below "
+        "the limit for what its prediction does not see). Raise the limit, or hold less: more "
+        "stages, more microbatches (smaller ones), or a schedule that keeps fewer "
+        "microbatches in flight ('1f1b' rather than 'gpipe' or 'zb-h1')."
     )
-    out: set[Drop] = set()
-    covered = 0
-    for c in ranked:
-        if covered >= excess:
-            break
-        out.add(c)
-        covered += _bytes(st, c[1]) * flight[c[0][1]]
-    return out
 
 
-def _prune(
-    base: Staged,
-    chosen: set[Drop],
-    forced: set[Drop],
-    cost: dict[Drop, float],
-    limit: int,
-    predict: Predict,
-    memo: dict[Any, Any],
-) -> Staged:
-    """Take drops back, the least saving per cost first, while the step stays under `limit`."""
-    keep = set(chosen)
-    st = apply(base, {*forced, *keep}, memo)
-    order = sorted(chosen, key=lambda c: (_bytes(base, c[1]) / cost[c], c))
-    for c in order[:_TRIALS]:  # a bounded number of predictions
-        trial = apply(base, {*forced, *(keep - {c})}, memo)
-        if predict(trial).peak <= limit:
-            keep.discard(c)
-            st = trial
-    return st
+class _Search:
+    """One rank's choice (NOTE [meeting a memory limit]): the drops and anchors so far, and the
+    predictions made."""
+
+    def __init__(
+        self,
+        base: Staged,
+        forced: set[Drop],
+        predict: Predict,
+        stages: list[int],
+        memo: Any,
+        report: MemoryReport,
+    ) -> None:
+        self.base, self.forced, self.predict_, self.memo = base, forced, predict, memo
+        self.keep: Keep = {s: anchors(base, s) for s in stages}
+        held = {storage_key(base, s, a): (s, a) for s, names in self.keep.items() for a in names}
+        pool = units(base, [c for c in candidates(base, stages) if c not in forced])
+        self.units = {k: u for k, u in pool.items() if k not in held}  # step 1
+        self.anchors = [(s, a, pool.get(k, (frozenset(), 0))) for k, (s, a) in held.items()]  # step 2
+        self.costs = Costs(base, forced)
+        self.drops, self.report, self.best = set(forced), report, report
+        self.staged = apply(base, forced, memo) if forced else base
+        self.best_plan = (self.drops, self.keep, self.staged)
+
+    def predict(self, drops: set[Drop], keep: Keep) -> MemoryReport:
+        st = apply(self.base, drops, self.memo, keep)
+        report = self.predict_(st)
+        if report.peak < self.best.peak:
+            self.best, self.best_plan = report, (set(drops), keep, st)
+        self.last = st
+        return report
+
+    def _flight(self) -> dict[int, int]:
+        return {s.stage: s.in_flight for s in self.report.stages}
+
+    def meet(self, target: int) -> bool:
+        """Steps 1 and 2: True once the predicted peak is at most `target`."""
+        while self.report.peak > target:
+            batch = self._batch(self.report.peak - target)
+            if not batch:
+                break
+            self._take(self.drops | batch, self.keep)
+        if self.report.peak > target:
+            self._release(target)
+        if self.report.peak > target:
+            self.floor()
+        if self.best.peak < self.report.peak:  # an earlier plan was better
+            self.report, (self.drops, self.keep, self.staged) = self.best, self.best_plan
+        return self.report.peak <= target
+
+    def _take(self, drops: set[Drop], keep: Keep) -> None:
+        self.report = self.predict(drops, keep)
+        self.drops, self.keep, self.staged = drops, keep, self.last
+
+    def _score(self, unit: Unit, size: int, flight: dict[int, int]) -> float:
+        stage = next(iter(unit))[0][1]
+        return size * flight.get(stage, 0) / self.costs.added(unit, self.drops, self.keep)
+
+    def _batch(self, excess: int) -> set[Drop]:
+        """Step 1's round: the best-scoring units whose bytes x microbatches in flight cover
+        `excess`."""
+        flight = self._flight()
+        left = [
+            (u, n) for u, n in self.units.values() if not u <= self.drops and flight.get(_stage(u), 0) > 0
+        ]
+        ranked = sorted(left, key=lambda un: (-self._score(un[0], un[1], flight), sorted(un[0])))
+        out: set[Drop] = set()
+        covered = 0
+        for unit, size in ranked:
+            if covered >= excess:
+                break
+            out |= unit
+            covered += size * flight[_stage(unit)]
+        return out
+
+    def _release(self, target: int) -> None:
+        """Step 2: anchors let go one at a time, each kept only if the peak falls."""
+        tried: set[tuple[int, str]] = set()
+        while self.report.peak > target:
+            flight = self._flight()
+            left = [(s, a, u) for s, a, u in self.anchors if (s, a) not in tried and flight.get(s, 0) > 0]
+            if not left:
+                return
+            s, a, (unit, size) = max(
+                left, key=lambda x: (self._anchor_score(x[0], x[1], x[2], flight), x[:2])
+            )
+            tried.add((s, a))
+            keep = {**self.keep, s: self.keep[s] - {a}}
+            drops = self.drops | unit
+            report = self.predict(drops, keep)
+            if report.peak < self.report.peak:
+                self.report, self.drops, self.keep, self.staged = report, drops, keep, self.last
+
+    def _anchor_score(self, s: int, a: str, unit_size: tuple[Unit, int], flight: dict[int, int]) -> float:
+        unit, size = unit_size
+        keep = {**self.keep, s: self.keep[s] - {a}}
+        drops = self.drops | unit
+        places = {p for p, _ in drops if p[1] == s}
+        cost = sum(
+            self.costs.program(p, drops, keep) - self.costs.program(p, self.drops, self.keep) for p in places
+        )
+        return size * flight.get(s, 0) / (1.0 + cost)
+
+    def prune(self, target: int) -> Staged:
+        """Step 3: units taken back, the least bytes per cost first, while under `target`."""
+        flight = {s: max(n, 1) for s, n in self._flight().items()}
+        chosen = [(u, n) for u, n in self.units.values() if u <= self.drops]
+        saving = {
+            u: n * flight.get(_stage(u), 1) / self.costs.added(u, self.drops - u, self.keep)
+            for u, n in chosen
+        }
+        for unit, _ in sorted(chosen, key=lambda un: (saving[un[0]], sorted(un[0])))[:_TRIALS]:
+            drops = self.drops - unit
+            report = self.predict(drops, self.keep)
+            if report.peak <= target:
+                self.report, self.drops, self.staged = report, drops, self.last
+        return self.staged
+
+    def floor(self) -> MemoryReport:
+        """The least peak found, trying also every unit and anchor dropped at once (recomputing
+        back to the stage's inputs)."""
+        every = {*self.drops, *(d for u, _ in self.units.values() for d in u)}
+        every |= {d for _, _, (u, _) in self.anchors for d in u}
+        self.predict(every, {})
+        return self.best
+
+
+def _stage(unit: Unit) -> int:
+    return next(iter(unit))[0][1]

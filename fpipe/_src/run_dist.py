@@ -126,6 +126,8 @@ class DistRunner:
             place = action_place(a)
             if a.kind != "B" or a.stage in parts or not any(g.sends for g in self.groups.get(a, [])):
                 continue
+            if self.staged.programs[place].gm.meta.get("fpipe_recomputes"):  # NOTE in remat.py
+                continue
             pair = backward_parts(self.staged, place)
             if pair is None:
                 continue

@@ -10,7 +10,8 @@ every block (which fpipe recomputes), and under a limit equal to that checkpoint
 (fpipe's own choice at the same memory). Per rank: the predicted peak (`piped.memory`, before
 anything runs), the measured one (resident-set growth of one step after a warm-up, with a fixed
 mmap threshold: ../shared/DESIGN.md, "Measuring memory on CPU"), whether the gradients equal the
-unconstrained run's bit for bit, the median step time of `--steps` steps, and the share
+unconstrained run's bit for bit, the median step time of `--steps` steps (the variants' steps
+interleaved, round after round, so that the host's changing load touches them alike), and the share
 recomputed: the estimated cost (`partition.node_cost`) of the operations the backward programs
 gained, over the cost of the rank's forward programs.
 
@@ -124,20 +125,29 @@ def run(model: Any, schedule: str, args: Any, limit: int | None, ref: Any) -> di
     step = fpipe.value_and_grad(piped)
     _, grads = step(params, tokens, targets)
     measured = rss_growth(lambda: step(params, tokens, targets))
-    times = []
-    for _ in range(args.steps):
-        if dist.is_initialized():
-            dist.barrier()
-        t0 = time.perf_counter()
-        step(params, tokens, targets)
-        times.append(time.perf_counter() - t0)
     local = {k: g for k, g in grads.items() if not g.is_meta}
     diff = max((float((g - ref[k]).abs().max()) for k, g in local.items()), default=0.0) if ref else 0.0
     fwd, bwd = costs(piped)
     least = least_limit(piped) if limit is None else 0
     print(f"  {schedule} limit={limit}: {time.perf_counter() - START:.0f} s", file=sys.stderr, flush=True)
-    return dict(predicted=predicted, measured=measured, time=statistics.median(times), grads=local,
-                diff=diff, fwd=fwd, bwd=bwd, least=least)  # fmt: skip
+    return dict(predicted=predicted, measured=measured, grads=local, diff=diff, fwd=fwd, bwd=bwd,
+                least=least, step=lambda: step(params, tokens, targets))  # fmt: skip
+
+
+def timed(variants: list[Any], steps: int) -> None:
+    """Each variant's median step time, the variants' steps interleaved (round after round: a
+    change in the host's load touches them alike)."""
+    times: list[list[float]] = [[] for _ in variants]
+    for _ in range(steps):
+        for i, (_, _, r) in enumerate(variants):
+            if dist.is_initialized():
+                dist.barrier()
+            t0 = time.perf_counter()
+            r["step"]()
+            times[i].append(time.perf_counter() - t0)
+    for (_, _, r), ts in zip(variants, times):
+        r["time"] = statistics.median(ts)
+        del r["step"]
 
 
 def schedule_rows(schedule: str, stages: int, args: Any) -> list[tuple[Any, ...]]:
@@ -161,6 +171,7 @@ def schedule_rows(schedule: str, stages: int, args: Any) -> list[tuple[Any, ...]
             rows.append((schedule, label, limit, f"the least limit met is {least / MIB:.1f} MiB"))
         else:
             variants.append((label, limit, run(model(), schedule, args, limit, free["grads"])))
+    timed(variants, args.steps)
     for label, limit, r in variants:
         share = (r["bwd"] - free["bwd"]) / free["fwd"]
         rows.append((schedule, label, limit, r["predicted"], r["measured"], r["diff"], r["time"],
@@ -172,7 +183,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--microbatches", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=5)
     args = ap.parse_args()
     torch.set_num_threads(1)
     group = "RANK" in os.environ

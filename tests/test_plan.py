@@ -202,3 +202,17 @@ def test_arguments_the_plan_sets_are_refused_alongside_it(planned: fpipe.Plan) -
         "do not pass microbatches=3 too (plan again to change them)."
     )
     fpipe.pipeline(loss_fn, plan=planned, timeout=30.0)  # the others are kept
+
+
+def test_tensor_parallel_builds_need_a_job_and_a_function(planned: fpipe.Plan, inputs: tuple) -> None:
+    """In one process there are no tp ranks to build on: `tensor_parallel=` plans tp = 1 (the
+    measurements `planned` cached) and says so in the table; a non-function is refused."""
+    params, x, y = inputs
+    built = []
+    p = fpipe.plan(loss_fn, params, x, y, world_size=2, tensor_parallel=lambda m: built.append(m))
+    assert not built and p.measure_s == 0.0 and all(c.tp == 1 for c in p.candidates)
+    assert p.layout == planned.layout and p.function is loss_fn and p.params is params
+    assert [why for c, why in p.dropped if c.tp == 2] == ["tp=2: tp > 1 is planned under torchrun only"]
+    assert "tp > 1 is planned under torchrun only" in str(p)
+    with pytest.raises(TypeError, match="tensor_parallel must be a function tp_mesh -> \\(f, params\\)"):
+        fpipe.plan(loss_fn, params, x, y, world_size=2, tensor_parallel="tp")

@@ -6,8 +6,8 @@ gradients, step time against the share recomputed, and checkpointing every block
 For each schedule (1f1b on 2 stages, zbv on 4 stages V-placed over 2 ranks), the benchmark GPT
 runs as it is (unconstrained), under limits of 75 % and 50 % of the unconstrained peak (the
 larger rank's predicted peak: one limit for every rank), with `torch.utils.checkpoint` around
-every block (which fpipe recomputes), and under a limit equal to that checkpointed run's peak
-(fpipe's own choice at the same memory). Per rank: the predicted peak (`piped.memory`, before
+every block (which fpipe recomputes), and under the limit whose target is that checkpointed
+run's peak (fpipe's own choice aiming at the same memory: it aims 10 % under a limit). Per rank: the predicted peak (`piped.memory`, before
 anything runs), the measured one (resident-set growth of one step after a warm-up, with a fixed
 mmap threshold: ../shared/DESIGN.md, "Measuring memory on CPU"), whether the gradients equal the
 unconstrained run's bit for bit, the median step time of `--steps` steps (the variants' steps
@@ -163,7 +163,8 @@ def schedule_rows(schedule: str, stages: int, args: Any) -> list[tuple[Any, ...]
     ck = run(model(CheckpointedGPT), schedule, args, None, free["grads"])
     variants = [("unconstrained", None, free), ("checkpoint every block", None, ck)]
     limits = [("limit 75 %", int(0.75 * peak)), ("limit 50 %", int(0.5 * peak))]
-    limits.append(("limit = checkpoint's peak", largest(ck["predicted"])))
+    aim = -(-largest(ck["predicted"]) * HEADROOM_PARTS // (HEADROOM_PARTS - 1))  # target: ck's peak
+    limits.append(("limit aiming at checkpoint's peak", aim))
     rows: list[tuple[Any, ...]] = []
     least = largest(free["least"])
     for label, limit in limits:
@@ -224,7 +225,13 @@ def report(rows: list[Any], args: Any) -> None:
               f"| {t:.2f} | {cost:+.0%} | {share:.0%} |")  # fmt: skip
 
 
-_ORDER = ["unconstrained", "limit 75 %", "limit 50 %", "checkpoint every block", "limit = checkpoint's peak"]
+_ORDER = [
+    "unconstrained",
+    "limit 75 %",
+    "limit 50 %",
+    "checkpoint every block",
+    "limit aiming at checkpoint's peak",
+]
 
 if __name__ == "__main__":
     main()

@@ -21,7 +21,9 @@ active (its pack hook is `_checkpoint_hook`'s): inside `following_checkpoints()`
 compiler's traces), every operation traced under them gets `meta["recompute"]` (the region's
 number), which the joint trace carries to the joint graph's forward operations (the replay
 runs under `fx.traceback.preserve_node_meta`), and remat.py recomputes the saved values those
-operations make inside the backward program, keeping the region's inputs. Any other
+operations make inside the backward program, keeping the region's inputs: each region is
+recomputed from its own inputs (the output of the region before it is one of them, kept, not
+recomputed too), just before its backward, as `torch.utils.checkpoint` does. Any other
 saved-tensor hook (offloading to the host) is warned about: nothing is offloaded.
 """
 

@@ -19,9 +19,12 @@ and the zero-bubble W halves' inputs), against the limit less a 10 % headroom
    (1F1B's stage i holds min(p - i, m)) recomputes first and a stage holding one last, and a
    cheap value of a kept product (a GELU of a kept matrix product) goes before the product;
    each round drops enough to cover the predicted excess, then predicts again;
-2. if every unit is dropped and the peak is still over, lets anchors go, one at a time (the
-   most bytes per cost first), each kept only if the predicted peak falls: two segments then
-   recompute as one, holding one anchor fewer per microbatch and more while the backward runs;
+2. if every unit is dropped and the peak is still over, lets anchors go: first in patterns
+   (every stage keeps one anchor in k, k = 2, 3, 4, at each offset: segments k times longer,
+   fewer anchors held per microbatch, more held while a segment's backward runs -- a single
+   anchor let go lengthens the longest segment and saves the bytes of one), the best kept if
+   the predicted peak falls; then one at a time (the most bytes per cost first), each kept
+   only if the predicted peak falls;
 3. once under, takes units back (up to `_TRIALS`, the least bytes per cost first) while the
    step stays under.
 
@@ -151,8 +154,7 @@ class _Search:
         self.drops, self.keep, self.staged = drops, keep, self.last
 
     def _score(self, unit: Unit, size: int, flight: dict[int, int]) -> float:
-        stage = next(iter(unit))[0][1]
-        return size * flight.get(stage, 0) / self.costs.added(unit, self.drops, self.keep)
+        return size * flight.get(_stage(unit), 0) / self.costs.added(unit, self.drops, self.keep)
 
     def _batch(self, excess: int) -> set[Drop]:
         """Step 1's round: the best-scoring units whose bytes x microbatches in flight cover
@@ -171,17 +173,36 @@ class _Search:
             covered += size * flight[_stage(unit)]
         return out
 
+    def _strided(self) -> None:
+        """Step 2's first part: every stage keeps one anchor in k (k = 2, 3, 4, each offset),
+        the others let go at once -- segments k times longer, one anchor per segment held (a
+        single anchor let go lengthens the longest segment for the bytes of one)."""
+        order = {s: _in_order(self.base, s, names) for s, names in self.keep.items()}
+        start = (self.report, self.drops, self.keep, self.staged)
+        best = start
+        for k in (2, 3, 4):
+            for offset in range(k):
+                keep = {
+                    s: frozenset(a for i, a in enumerate(names) if i % k == offset)
+                    for s, names in order.items()
+                }
+                gone = {(s, a) for s, names in order.items() for a in names if a not in keep[s]}
+                drops = start[1] | {d for s, a, (u, _) in self.anchors if (s, a) in gone for d in u}
+                report = self.predict(drops, keep)
+                if report.peak < best[0].peak:
+                    best = (report, drops, keep, self.last)
+        self.report, self.drops, self.keep, self.staged = best
+
     def _release(self, target: int) -> None:
         """Step 2: anchors let go one at a time, each kept only if the peak falls."""
+        self._strided()
         tried: set[tuple[int, str]] = set()
         while self.report.peak > target:
             flight = self._flight()
             left = [(s, a, u) for s, a, u in self.anchors if (s, a) not in tried and flight.get(s, 0) > 0]
             if not left:
                 return
-            s, a, (unit, size) = max(
-                left, key=lambda x: (self._anchor_score(x[0], x[1], x[2], flight), x[:2])
-            )
+            s, a, (unit, _) = max(left, key=lambda x: (self._anchor_score(x[0], x[1], x[2], flight), x[:2]))
             tried.add((s, a))
             keep = {**self.keep, s: self.keep[s] - {a}}
             drops = self.drops | unit
@@ -221,6 +242,11 @@ class _Search:
         every |= {d for _, _, (u, _) in self.anchors for d in u}
         self.predict(every, {})
         return self.best
+
+
+def _in_order(st: Staged, s: int, names: frozenset[str]) -> list[str]:
+    """`names` (values of stage s's F) in the order F makes them."""
+    return [n.name for n in st.programs["F", s].gm.graph.nodes if n.name in names]
 
 
 def _stage(unit: Unit) -> int:

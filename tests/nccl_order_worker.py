@@ -5,7 +5,10 @@
 With `FPIPE_EMULATE_NCCL_ORDER=1` (set per case here) each rank issues a group of sends and
 receives only once its previous group completed, sends included: the order in which NCCL's
 communication stream runs them. A plan that deadlocks on NCCL then stops here too, and the short
-`timeout` turns that into an error within seconds instead of a hang.
+`timeout` turns that into an error within seconds instead of a hang. A case with
+`"old_order": true` issues its transfers in the order fpipe used before (`old_order_plan`), with
+the plan check that would refuse it switched off, for that case only; it must fail, so it is
+the launch's last case.
 
 Each case (schedule text or a built-in name, from FILE) runs one value_and_grad step of an MLP
 with a skip connection that crosses every stage boundary, and is compared with
@@ -16,11 +19,13 @@ more without the emulation, recording the timeline. Each rank writes `DIR/rank{R
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -88,16 +93,30 @@ def second_signature(piped: Any, loss: Any, params: Any, x: torch.Tensor, y: tor
 
 
 def run_case(case: dict[str, Any], p: int, m: int) -> dict[str, Any]:
-    rec: dict[str, Any] = {"emulated": one_step(case, p, m, emulate=True)}
+    with old_order(case.get("old_order", False)):
+        rec: dict[str, Any] = {"emulated": one_step(case, p, m, emulate=True)}
     if case.get("plain"):
         rec["plain"] = one_step(case, p, m, emulate=False)
     return rec
 
 
+@contextlib.contextmanager
+def old_order(on: bool) -> Iterator[None]:
+    """With `on`: fpipe's old transfer order, and no plan check (what the tier must catch by running)."""
+    saved = run_dist.comm_plan, run_dist.validate_comm
+    if on:
+        run_dist.comm_plan = old_order_plan  # type: ignore[assignment]
+        run_dist.validate_comm = lambda sched, plan: None
+    try:
+        yield
+    finally:
+        run_dist.comm_plan, run_dist.validate_comm = saved
+
+
 def old_order_plan(sched: Any, sends: Any, reads: Any) -> comm.CommPlan:
     """The order fpipe used before the plan: before running action i, the receives of action
-    i + 1 (one batch per peer); after it, its sends (one batch per bundle). For `--old-order`:
-    the tier must catch it (test_nccl_order)."""
+    i + 1 (one batch per peer); after it, its sends (one batch per bundle). For the
+    `"old_order"` case: the tier must catch it (test_nccl_order)."""
     plan = comm.comm_plan(sched, sends, reads)
     incoming = {(t.dst, t.src, t.index): t for gs in plan.groups for g in gs for t in g.recvs}
     out: list[tuple[comm.CommGroup, ...]] = []
@@ -133,12 +152,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--cases", required=True)
     ap.add_argument("--microbatches", type=int, default=4)
-    ap.add_argument("--old-order", action="store_true", help="issue transfers in fpipe's old order")
     args = ap.parse_args()
     run_dist.DistRunner.run = barrier_first(run_dist.DistRunner.run)  # type: ignore[method-assign]
-    if args.old_order:
-        run_dist.comm_plan = old_order_plan  # type: ignore[assignment]
-        run_dist.validate_comm = lambda sched, plan: None  # what the tier must catch by running
     torch.set_default_dtype(torch.float64)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -6,15 +6,15 @@ stream blocks everything behind it. Single-process: the plan's replay under that
 the ranks, groups and actions named, the order fpipe used before (receives for the next action
 posted before this action's sends). Multi-process: `tests/nccl_order_worker.py` runs on gloo with
 `FPIPE_EMULATE_NCCL_ORDER=1` (each group issued only once the previous one completed, sends
-included) every built-in schedule and random valid ones at 2 and 4 ranks, against the unsplit
-function's gradients; the old order, emulated the same way, stops with a timeout within seconds.
+included) every built-in schedule and random valid ones at 2 ranks, one schedule of each family
+and random valid ones at 4 ranks (below), against the unsplit function's gradients; the old
+order, emulated the same way (the 2-rank launch's last case), stops with a timeout within seconds.
 """
 
 from __future__ import annotations
 
 import json
 import random
-import time
 from typing import Any
 
 import nccl_order_worker
@@ -33,6 +33,13 @@ TOL = 1e-10
 DEADLINE_S = 400.0
 MICROBATCHES = {2: 4, 4: 6}
 RANDOM_BASES = {2: ["1f1b", "zb-h1", "interleaved-1f1b"], 4: ["zb-h1", "zbv"]}
+# At 4 ranks, one built-in per family (the runtime issues every schedule's plan the same way;
+# what differs is the plan, which the single-process replay below checks for every built-in at 2
+# and 4 ranks): one stage per rank (1F1B; GPipe runs at 2 ranks), looped placement
+# (interleaved-1F1B; looped-BFS at 2), split backward (ZB-H1), V placement (ZBV, DualPipeV:
+# transfers in both directions at once).
+FAMILIES_AT_4 = ["1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev"]
+OLD_ORDER = {"id": "old-order-1f1b", "schedule": "1f1b", "timeout": 5, "old_order": True}
 
 
 # -- random valid schedules -------------------------------------------------------------------------
@@ -69,13 +76,25 @@ def random_interleaving(base: Schedule, seed: int) -> Schedule:
 
 
 def cases(p: int) -> list[dict[str, Any]]:
+    """What the p-rank launch runs and must get right: plain runs (no emulation, for the
+    timeline) of GPipe and 1F1B at 2 ranks, of 1F1B at 4; a second input signature (the send
+    reaper) at 2 ranks."""
     m = MICROBATCHES[p]
-    out = [{"id": n, "schedule": n, "plain": n in ("gpipe", "1f1b")} for n in fpipe.schedules.names()]
-    out[[c["id"] for c in out].index("1f1b")]["signatures"] = 2
+    names = fpipe.schedules.names() if p == 2 else FAMILIES_AT_4
+    out = [
+        {"id": n, "schedule": n, "plain": n in (("gpipe", "1f1b") if p == 2 else ("1f1b",))} for n in names
+    ]
+    if p == 2:
+        out[[c["id"] for c in out].index("1f1b")]["signatures"] = 2
     for i, name in enumerate(RANDOM_BASES[p]):
         sched = random_schedule(build(name, pp=p, microbatches=m), seed=100 * p + i)
         out.append({"id": f"random-{name}", "text": str(sched)})
     return out
+
+
+def launched(p: int) -> list[dict[str, Any]]:
+    """`cases(p)`, and at 2 ranks the old order last (it fails, and the worker stops there)."""
+    return cases(p) + ([OLD_ORDER] if p == 2 else [])
 
 
 # -- single process: the plan's replay ---------------------------------------------------------------
@@ -212,29 +231,37 @@ def test_random_schedules_the_validator_accepts_have_deadlock_free_plans(seed):
 # -- multi process: emulated NCCL order on gloo -------------------------------------------------------
 
 
-def _launch(tmp: Any, p: int, case_list: list[dict[str, Any]], *extra: str) -> tuple[list[Any], list[Any]]:
+def _launch(tmp: Any, p: int, case_list: list[dict[str, Any]]) -> tuple[list[Any], list[Any]]:
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "cases.json").write_text(json.dumps(case_list))
     args = ["--out", str(tmp), "--cases", str(tmp / "cases.json"), "--microbatches", str(MICROBATCHES[p])]
-    procs = run_torchrun([torchrun_cmd("nccl_order_worker.py", p, *args, *extra)], tmp, DEADLINE_S)
+    procs = run_torchrun([torchrun_cmd("nccl_order_worker.py", p, *args)], tmp, DEADLINE_S)
     recs = [read_json(tmp / f"rank{r}.json") if (tmp / f"rank{r}.json").exists() else None for r in range(p)]
     return procs, recs
 
 
-@pytest.fixture(scope="module")
-def emulated(tmp_path_factory):
-    """`emulated(p)`: each rank's records of every case at p ranks (one launch per p, on first use)."""
-    done: dict[int, Any] = {}
+class Launches:
+    """`launches(p)`: each rank's records of every case at p ranks (one launch per p, on first
+    use); `launches.procs(p)`: that launch's processes, for assertion messages."""
 
-    def get(p: int) -> list[dict[str, Any]]:
-        if p not in done:
-            procs, recs = _launch(tmp_path_factory.mktemp(f"emulated{p}"), p, cases(p))
-            done[p] = (procs, recs)
-        procs, recs = done[p]
+    def __init__(self, tmp_path_factory: Any) -> None:
+        self.tmp, self.done = tmp_path_factory, {}
+
+    def __call__(self, p: int) -> list[dict[str, Any]]:
+        if p not in self.done:
+            self.done[p] = _launch(self.tmp.mktemp(f"emulated{p}"), p, launched(p))
+        procs, recs = self.done[p]
         assert all(r is not None for r in recs), report(procs)
         return recs
 
-    return get
+    def procs(self, p: int) -> list[Any]:
+        self(p)
+        return self.done[p][0]
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory) -> Launches:
+    return Launches(tmp_path_factory)
 
 
 def _case(emulated: Any, p: int, case_id: str) -> list[dict[str, Any]]:
@@ -277,7 +304,7 @@ def _split_backward_order(rank: int, step: dict[str, Any]) -> int:
     return len(split)
 
 
-@pytest.mark.parametrize(("p", "case_id"), [(p, c) for p in (2, 4) for c in ("gpipe", "1f1b")])
+@pytest.mark.parametrize(("p", "case_id"), [(2, "gpipe"), (2, "1f1b"), (4, "1f1b")])
 def test_full_backward_sends_input_gradients_before_its_weight_gradient_half(emulated, p, case_id):
     """The timeline shows the I half, the send, then the W half, for every stage that runs split
     (every stage but the first: its input gradient goes to the previous rank)."""
@@ -287,24 +314,24 @@ def test_full_backward_sends_input_gradients_before_its_weight_gradient_half(emu
         assert n_split == [0] + [MICROBATCHES[p]] * (p - 1), mode
 
 
-@pytest.mark.parametrize("p", [2, 4])
-def test_one_send_reaper_thread_per_process_group(emulated, p):
+def test_one_send_reaper_thread_per_process_group(emulated):
     """A second input signature compiles a second runner; it shares the first one's send reaper
-    (a thread) instead of starting another."""
-    for rank, rec in enumerate(_case(emulated, p, "1f1b")):
+    (a thread) instead of starting another (one per process group: the group's size plays no part)."""
+    for rank, rec in enumerate(_case(emulated, 2, "1f1b")):
         step = rec["emulated"]
         assert step["grad_err_2"] <= TOL, rank
         assert (step["runners"], step["reapers"], step["reaper_threads_added"]) == (2, 1, 0), rank
 
 
-def test_old_order_times_out_under_emulation(tmp_path):
+def test_old_order_times_out_under_emulation(emulated):
     """The order fpipe used before, emulated: 1F1B stops at its first step, with a timeout
     naming the stuck group, within seconds (not a hang)."""
-    old = [{"id": "1f1b", "schedule": "1f1b", "timeout": 5}]
-    start = time.monotonic()
-    procs, recs = _launch(tmp_path, 2, old, "--old-order")
-    assert time.monotonic() - start < DEADLINE_S / 2, "the emulated old order hung instead of timing out"
+    recs = [r["cases"].get(OLD_ORDER["id"]) for r in emulated(2)]
+    procs = emulated.procs(2)
+    never = "an earlier case failed, so the old order never ran\n"
+    assert all(rec is not None for rec in recs), never + report(procs)
     # the worker catches and records the failure, so it exits as it chooses (0): judge the records
-    errors = [r["cases"]["1f1b"].get("error", "") for r in recs if r is not None]
-    assert errors and all(not r["cases"]["1f1b"]["ok"] for r in recs if r is not None), report(procs)
+    assert all(rec["case_seconds"] < DEADLINE_S / 2 for rec in recs), "the emulated old order hung"
+    errors = [rec.get("error", "") for rec in recs]
+    assert all(not rec["ok"] for rec in recs), report(procs)
     assert any("timed out after 5 s on rank" in e and "(emulated NCCL order)" in e for e in errors), errors

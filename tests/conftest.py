@@ -1,6 +1,22 @@
-"""Shared pytest configuration for the test suite (fixtures live next to the tests that use them)."""
+"""Shared pytest configuration for the test suite (fixtures live next to the tests that use them,
+here only those that more than one module uses)."""
 
 from __future__ import annotations
+
+import pytest
+from dist_launch import read_json, report, run_torchrun, torchrun_cmd
+
+TRUST_RANKS = 2
+
+
+@pytest.fixture(scope="session")
+def trust_launch(tmp_path_factory):
+    """One torchrun launch of `tests/trust_dist_worker.py` on 2 ranks for tests/test_trust_dist.py
+    and tests/test_timeline.py (a process group costs seconds to start): its output folder and
+    processes (ended: a hard deadline, then SIGKILL)."""
+    out = tmp_path_factory.mktemp("trust")
+    cmd = torchrun_cmd("trust_dist_worker.py", TRUST_RANKS, "--out", str(out))
+    return out, run_torchrun([cmd], out, deadline_s=300.0)
 
 
 def pytest_configure(config):
@@ -10,3 +26,28 @@ def pytest_configure(config):
     config.addinivalue_line(
         "filterwarnings", "ignore:mypy_extensions.TypedDict is deprecated:DeprecationWarning"
     )
+
+
+@pytest.fixture(scope="session")
+def four_ranks(tmp_path_factory):
+    """`four_ranks(part)`: each rank's record of one part ("trust", "hf" or "generate") of the
+    one torchrun launch of `tests/four_ranks_worker.py` (4 ranks, started on first use) that
+    tests/test_trust_dist.py, tests/test_hf_dist.py and tests/test_generate_cache.py share."""
+    out = tmp_path_factory.mktemp("four_ranks")
+    parts = {part: out / part for part in ("trust", "hf", "generate")}
+    launched: list = []
+
+    def get(part: str) -> list[dict]:
+        if not launched:
+            for folder in parts.values():
+                folder.mkdir()
+            args = [a for part, folder in parts.items() for a in (f"--{part}-out", str(folder))]
+            launched.append(run_torchrun([torchrun_cmd("four_ranks_worker.py", 4, *args)], out, 900.0))
+        (procs,) = launched
+        assert all(p.rc == 0 for p in procs), "the 4-rank launch failed or hung\n" + report(procs)
+        records = [parts[part] / f"rank{r}.json" for r in range(4)]
+        assert all(rec.exists() for rec in records), f"{part}: a rank wrote no record\n" + report(procs)
+        return [read_json(rec) for rec in records]
+
+    get.folder = parts  # type: ignore[attr-defined]
+    return get

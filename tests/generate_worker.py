@@ -1,6 +1,7 @@
 """Multi-process worker: `fpipe.generate` of GPT-2, Llama and Qwen2 on 2 and 4 gloo ranks.
 
-Launched once by `tests/test_generate_cache.py` (a process group costs seconds to start), as
+Run last by `tests/four_ranks_worker.py` (one 4-rank launch for tests/test_generate_cache.py and
+two other modules: a process group costs seconds to start), or alone as
 
     torchrun --standalone --nproc-per-node 4 tests/generate_worker.py --out DIR
 
@@ -132,14 +133,9 @@ def case(model: torch.nn.Module, share: Share, mesh: Any) -> dict[str, Any]:
     return res
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
+def run(out: str) -> None:
+    """Every case, then the failure (which ends the process), in an initialised 4-rank group."""
     import torch.distributed as dist
-
-    dist.init_process_group("gloo")
     from torch.distributed.device_mesh import init_device_mesh
 
     rank, results = dist.get_rank(), {}
@@ -149,10 +145,21 @@ def main() -> None:
         model = build(name)  # one model per family: both layouts reuse its traced step
         for pp, mesh in meshes.items():
             results[f"{name}-pp{pp}"] = case(model, share, mesh)
-    with open(f"{args.out}/rank{rank}.json", "w") as f:
+    with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(results, f)
     dist.barrier()
-    fail(model, rank, args.out)
+    fail(model, rank, out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    run(args.out)
 
 
 FAILING_RANK = 2

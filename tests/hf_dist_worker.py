@@ -1,6 +1,7 @@
 """Multi-process worker: transformers GPT-2 and Llama trained by fpipe on 2 and 4 pipeline ranks.
 
-Launched once by `tests/test_hf_dist.py` (a process group costs seconds to start), as
+Run by `tests/four_ranks_worker.py` (one 4-rank launch for tests/test_hf_dist.py and two other
+modules: a process group costs seconds to start), or alone as
 
     torchrun --standalone --nproc-per-node 4 tests/hf_dist_worker.py --out DIR
 
@@ -119,13 +120,9 @@ def run_case(name: str, pp: int, mesh: Any) -> dict[str, Any]:
     return out
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    args = p.parse_args()
-    torch.set_num_threads(1)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo")
+def run(out: str) -> None:
+    """Every case, in an initialised 4-rank process group; writes `out/rank{R}.json`."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     assert world == 4, "launch with --nproc-per-node 4"
     mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
     results: dict[str, Any] = {}
@@ -141,8 +138,17 @@ def main() -> None:
         except Exception as err:  # recorded; the test reports it
             results[key] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
             failed = key
-        with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump(results, f, indent=1)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    run(args.out)
     dist.destroy_process_group()
 
 

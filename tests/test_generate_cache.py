@@ -2,8 +2,8 @@
 
 GPT-2, Llama and Qwen2 (4 decoder blocks, hidden 32, fp64), left-padded prompts of lengths 6, 4,
 5, 6, two microbatches in flight: on 1, 2 and 4 stages in one process, and on 2 and 4 gloo
-ranks (one torchrun launch per rank count for the module: `tests/generate_worker.py` runs every
-case). Greedy tokens equal the unsplit `model.generate(..., do_sample=False)`, with EOS per
+ranks (`tests/generate_worker.py` runs every case in one 4-rank torchrun launch, shared with two
+other modules). Greedy tokens equal the unsplit `model.generate(..., do_sample=False)`, with EOS per
 sequence too; seeded sampling gives the same tokens at every stage count and on every rank
 count; each stage's program reads and writes only its own layers' K/V buffers, in place, and
 each rank allocates and runs only its stage's share; the streamer sees the prompt, each step's
@@ -13,10 +13,6 @@ tokens, then `end`; prefill and decode are traced once each.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -43,7 +39,6 @@ from generate_worker import (  # noqa: E402  (after the importorskip)
 from fpipe._src import generate as generate_module  # noqa: E402
 from fpipe._src.decode import DATA, cache_layout  # noqa: E402
 
-WORKER = Path(__file__).with_name("generate_worker.py")
 STAGES = [1, 2, 4]
 _MODELS: dict[str, torch.nn.Module] = {}
 
@@ -221,25 +216,14 @@ WORLD = 4
 
 
 @pytest.fixture(scope="module")
-def on_ranks(tmp_path_factory) -> list[dict]:
-    """The worker's per-rank results: one torchrun launch of 4 ranks for the module (pp=4 over
-    all of them; pp=2 as two pipelines on a (dp=2, pp=2) mesh)."""
-    out = tmp_path_factory.mktemp("generate")
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
-        str(WORKER), "--out", str(out),
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, (
-        f"worker failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    )
+def on_ranks(four_ranks) -> list[dict]:
+    """The worker's per-rank results: the last part of the one 4-rank torchrun launch (pp=4 over
+    all of them; pp=2 as two pipelines on a (dp=2, pp=2) mesh) that this module shares with
+    two others (the `four_ranks` fixture of tests/conftest.py)."""
+    folder = four_ranks.folder["generate"]
     return [
-        {
-            **json.loads((out / f"rank{r}.json").read_text()),
-            "fail": json.loads((out / f"fail{r}.json").read_text()),
-        }
-        for r in range(WORLD)
+        {**rec, "fail": json.loads((folder / f"fail{r}.json").read_text())}
+        for r, rec in enumerate(four_ranks("generate"))
     ]
 
 

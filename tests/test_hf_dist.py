@@ -1,7 +1,9 @@
 """transformers GPT-2 and Llama train on 2 and 4 pipeline ranks (gloo) with exact gradients.
 
-One torchrun launch for the module (`tests/hf_dist_worker.py` runs every case on 4 processes:
-pp=4 over all ranks, pp=2 on a (dp=2, pp=2) DeviceMesh); the tests assert on its per-rank JSON.
+One torchrun launch of 4 processes (`tests/hf_dist_worker.py` runs every case: pp=4 over all
+ranks, pp=2 on a (dp=2, pp=2) DeviceMesh; the launch, the `four_ranks` fixture of
+tests/conftest.py, is shared with tests/test_trust_dist.py and tests/test_generate_cache.py);
+the tests assert on its per-rank JSON.
 Per case and rank, over two AdamW steps: the loss equals the unsplit whole-batch reference (the
 model computes it in float32), every gradient this rank returns equals the reference's within
 1e-10 of the largest gradient entry, the parameters after each step equal the reference's, and
@@ -10,35 +12,18 @@ each rank of a pipeline holds only part of the parameters while together they ho
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("transformers")
 
-WORKER = Path(__file__).with_name("hf_dist_worker.py")
 CASES = [("gpt2", 2), ("llama", 2), ("gpt2", 4), ("llama", 4)]
 WORLD = 4
 TOL = 1e-10
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("hf_dist")
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
-        str(WORKER), "--out", str(out),
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
-    assert proc.returncode == 0, (
-        f"worker failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    )
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+def results(four_ranks) -> list[dict]:
+    return four_ranks("hf")
 
 
 def pipeline_groups(pp: int) -> list[list[int]]:

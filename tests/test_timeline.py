@@ -1,21 +1,20 @@
 """`Pipelined.timeline`: what a real step executed, per rank, as events and as a Chrome trace.
 
-One process runs every stage (the events' rank is the rank that holds the stage); one test
-launches two processes with torchrun to see the waits for a peer and the per-rank trace files.
+One process runs every stage (the events' rank is the rank that holds the stage); two
+processes under torchrun show the waits for a peer and the per-rank trace files (the 2-rank
+launch of tests/trust_dist_worker.py runs that step first: the `trust_launch` fixture of
+tests/conftest.py, shared with tests/test_trust_dist.py).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
-import textwrap
 from collections import defaultdict
 
 import pytest
 import torch
+from dist_launch import report
 from torch.profiler import ProfilerActivity, profile
 
 import fpipe
@@ -140,47 +139,18 @@ def test_profiler_shows_each_action():
 
 # -- two processes ----------------------------------------------------------------------------------
 
-WORKER = textwrap.dedent(
-    """
-    import json, sys
-    import torch, torch.distributed as dist
-    import fpipe
-
-    sys.path.insert(0, sys.argv[2])
-    from test_timeline import f, inputs
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    for schedule in sys.argv[3].split(","):
-        piped = fpipe.pipeline(f, microbatches=4, schedule=schedule)
-        fpipe.value_and_grad(piped)(*inputs())
-        tl = piped.timeline
-        with open(f"{sys.argv[1]}.{schedule}.events.rank{dist.get_rank()}.json", "w") as out:
-            json.dump({"origin": tl.origin, "events": tl.events}, out)
-    dist.destroy_process_group()
-    """
-)
-
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    """One torchrun launch (2 ranks, 4 stages: interleaved-1f1b, then zbv), FPIPE_TRACE set (the
-    trace files hold zbv's step, the last); the files it wrote."""
-    tmp = tmp_path_factory.mktemp("timeline2")
-    script = tmp / "worker.py"
-    script.write_text(WORKER)
-    env = dict(os.environ, FPIPE_TRACE=str(tmp / "trace"), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    here = os.path.dirname(os.path.abspath(__file__))
-    proc = subprocess.run(
-        [*cmd, str(script), str(tmp / "run"), here, "interleaved-1f1b,zbv"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return tmp
+def two_ranks(trust_launch):
+    """The folder of the 2-rank step (2 ranks, 4 stages: interleaved-1f1b, then zbv, FPIPE_TRACE
+    set: the trace files hold zbv's step, the last)."""
+    out, procs = trust_launch
+    recs = [out / f"rank{r}.json" for r in range(2)]
+    assert all(rec.exists() for rec in recs), report(procs)
+    for r, rec in enumerate(recs):
+        timeline = json.loads(rec.read_text())["timeline"]
+        assert "error" not in timeline, (r, timeline)
+    return out / "timeline"
 
 
 def test_two_ranks_each_record_their_own_actions_and_waits(two_ranks):

@@ -2,26 +2,24 @@
 called alternately, give the unsplit functions' results and keep their failure records apart;
 ranks that trace different programs for the same inputs fail with a ValueError on every rank
 (instead of gloo's "Received data size doesn't match expected size", or an NCCL hang), and the
-group stays usable afterwards. One launch of `tests/trust_dist_worker.py` runs every case."""
+group stays usable afterwards. One launch of `tests/trust_dist_worker.py` runs every case (the
+`trust_launch` fixture of tests/conftest.py; tests/test_timeline.py reads the same launch)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
-from dist_launch import read_json, report, run_torchrun, torchrun_cmd
+from dist_launch import read_json, report
 
 TOL = 1e-10  # fp64; the reference is torch.func.grad_and_value of the unsplit function
 RANKS = 2
-DEADLINE_S = 300.0
 PARAMS = ["b", "w0", "w1"]  # both functions take all three (a does not read b: its gradient is 0)
 
 
 @pytest.fixture(scope="module")
-def launch(tmp_path_factory) -> tuple[Any, list[Any]]:
-    out = tmp_path_factory.mktemp("trust")
-    procs = run_torchrun([torchrun_cmd("trust_dist_worker.py", RANKS, "--out", str(out))], out, DEADLINE_S)
-    return out, procs
+def launch(trust_launch) -> tuple[Any, list[Any]]:
+    return trust_launch
 
 
 @pytest.fixture(scope="module")
@@ -159,13 +157,10 @@ def test_a_rank_that_fails_compiling_stops_the_others_at_once(ranks):
 
 
 @pytest.fixture(scope="module")
-def mesh_ranks(tmp_path_factory) -> list[dict[str, Any]]:
-    out = tmp_path_factory.mktemp("trust_mesh")
-    procs = run_torchrun(
-        [torchrun_cmd("trust_dist_worker.py", 4, "--out", str(out), "--mesh")], out, DEADLINE_S
-    )
-    assert all(p.rc == 0 for p in procs), "the launch failed or hung\n" + report(procs)
-    return [read_json(out / f"rank{r}.json") for r in range(4)]
+def mesh_ranks(four_ranks) -> list[dict[str, Any]]:
+    """The `--mesh` cases, the first part of the 4-rank launch shared with two other modules
+    (the `four_ranks` fixture of tests/conftest.py)."""
+    return four_ranks("trust")
 
 
 @pytest.mark.parametrize("what", ["step", "after"])

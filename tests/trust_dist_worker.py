@@ -10,9 +10,14 @@ rank writes `rank{R}.json` with one record per case.
 * after: the first two pipelines called once more: the group is still usable after the errors.
 * compile_fails: rank 1 raises while tracing and goes on; rank 0 learns why at once.
 
-With `--mesh` (4 ranks): a (dp=2, pp=2) DeviceMesh, each replica passing its half of the batch:
-the results (the whole batch's), each pipeline group's store namespace, and a failure report on
-replica 0 that replica 1 must not see.
+First, for `tests/test_timeline.py` (it shares this launch: a process group costs seconds to
+start), timeline: one step of its 4-stage function with interleaved-1F1B, then ZBV, under
+`FPIPE_TRACE` (the trace files hold ZBV's step, the last); each step's events to a file.
+
+With `--mesh` (4 ranks; `tests/four_ranks_worker.py` runs these first in the 4-rank launch it
+shares with two other modules): a (dp=2, pp=2) DeviceMesh, each replica passing its half of the
+batch: the results (the whole batch's), each pipeline group's store namespace, and a failure
+report on replica 0 that replica 1 must not see.
 """
 
 from __future__ import annotations
@@ -173,6 +178,29 @@ def _compile_fails(out: str) -> dict[str, Any]:
     return rec
 
 
+TIMELINE_SCHEDULES = ("interleaved-1f1b", "zbv")
+
+
+def _timeline(out: str) -> dict[str, Any]:
+    """Writes `out/run.{schedule}.events.rank{R}.json` per schedule and, through FPIPE_TRACE (set
+    for these steps only), `out/trace.rank{R}.json` (test_timeline asserts on them)."""
+    from test_timeline import f, inputs
+
+    os.makedirs(out, exist_ok=True)
+    os.environ["FPIPE_TRACE"] = os.path.join(out, "trace")
+    try:
+        for schedule in TIMELINE_SCHEDULES:
+            piped = fpipe.pipeline(f, microbatches=4, schedule=schedule)
+            fpipe.value_and_grad(piped)(*inputs())
+            tl = piped.timeline
+            assert tl is not None
+            with open(os.path.join(out, f"run.{schedule}.events.rank{dist.get_rank()}.json"), "w") as fh:
+                json.dump({"origin": tl.origin, "events": tl.events}, fh)
+    finally:
+        del os.environ["FPIPE_TRACE"]
+    return {"schedules": list(TIMELINE_SCHEDULES)}
+
+
 def _case(run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """A case's record, or the error it raised (so each case's test fails on its own)."""
     try:
@@ -203,6 +231,13 @@ def _mesh_cases() -> dict[str, Any]:
     return rec
 
 
+def mesh(out: str) -> None:
+    """The --mesh cases (4 ranks); writes `out/rank{R}.json`."""
+    record = {"rank": int(os.environ["RANK"]), **_mesh_cases()}
+    with open(os.path.join(out, f"rank{record['rank']}.json"), "w") as f:
+        json.dump(record, f)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -210,13 +245,12 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     if args.mesh:
-        record = {"rank": int(os.environ["RANK"]), **_mesh_cases()}
-        with open(os.path.join(args.out, f"rank{record['rank']}.json"), "w") as f:
-            json.dump(record, f)
+        mesh(args.out)
         return
+    record: dict[str, Any] = {"rank": int(os.environ["RANK"])}
+    record["timeline"] = _case(lambda: _timeline(os.path.join(args.out, "timeline")))
     a = fpipe.pipeline(_mlp, microbatches=MB, timeout=60)
     b = fpipe.pipeline(_other, microbatches=MB, timeout=60)
-    record: dict[str, Any] = {"rank": int(os.environ["RANK"])}
     record["alternate"] = _case(lambda: _alternate(a, b))
     record["isolation"] = _case(lambda: _isolation(a, b))
     record["branch"] = _error_of(fpipe.pipeline(_branch, microbatches=MB, timeout=60), _branch)

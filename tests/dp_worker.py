@@ -122,6 +122,22 @@ def stage_fn(fn: Any, stages: int, sum_loss: bool) -> Any:
     return two
 
 
+def sum_read_with_one_microbatch(mesh: Any) -> dict[str, float]:
+    """A sum loss, no out_axes, one microbatch per replica: fpipe reads the sum from the graph
+    and adds the replicas' values (it once read nothing at microbatches=1 and averaged them:
+    half the loss and half the gradients, without a word)."""
+    f = stage_fn(mlp, 2, True)
+    params, (x, y) = params_for("mlp"), data()
+    dp_rank = mesh.get_local_rank("dp")
+    piped = fpipe.pipeline(f, mesh=mesh, microbatches=1)
+    loss, grads = fpipe.value_and_grad(piped)(params, x.chunk(2)[dp_rank], y.chunk(2)[dp_rank])
+    ref_grads, ref_loss = torch.func.grad_and_value(f)(params, x, y)
+    return {
+        "loss_err": float((loss - ref_loss).abs()),
+        "grad_err": max(float((grads[k] - ref_grads[k]).abs().max()) for k in grads),
+    }
+
+
 def run_case(name: str, mesh: Any) -> dict[str, Any]:
     fn, schedule, stages, out_axes = CASES[name]
     f = stage_fn(fn, stages, out_axes == "sum")
@@ -369,6 +385,7 @@ def main() -> None:
             rec[name] = run_case(name, mesh)
         except Exception as err:  # recorded; the test names the case
             rec[name] = {"error": f"{type(err).__name__}: {err}"}
+    rec["sum_m1"] = sum_read_with_one_microbatch(mesh)
     rec["mismatch"] = mismatch(mesh)
     rec["wrong_placement"] = wrong_placement(mesh)
     rec["matmul_share"] = matmul_share(mesh)

@@ -176,3 +176,10 @@ def test_plan_is_the_same_on_every_rank_verified_and_exact(ranks):
     assert all(r["again"] == [0.0, True, True] for r in recs), recs  # a second call: all cached
     covered = set().union(*(r["keys"] for r in recs))  # every parameter's gradient on some rank
     assert covered == set(EXPECTED_KEYS["mlp"])
+
+
+def test_a_sum_loss_over_replicas_is_read_at_one_microbatch(ranks):
+    """No out_axes and microbatches=1 on 2 replicas: the loss is a sum, read from the graph, and
+    the replicas' values are added (as the unsplit function's), not averaged."""
+    for rec in ranks:
+        assert rec["sum_m1"]["loss_err"] < TOL * 100 and rec["sum_m1"]["grad_err"] < TOL * 100, rec["sum_m1"]

@@ -284,7 +284,8 @@ class Compiler:
     def _scalar_reduction(self, fwd: Forward, inp: Inputs, i: int) -> str:
         m = self.cfg.microbatches
         axes = {fwd.n_params + j: a for j, a in enumerate(inp.axes) if a is not None}
-        kind = batch_reduction(fwd.gm, axes, i) if m > 1 else None
+        parts = m > 1 or self.dp is not None  # values combined: microbatches' or replicas'
+        kind = batch_reduction(fwd.gm, axes, i) if parts else None
         if kind == "divided":  # a count (a mean) or a constant (a sum)? trace at twice the batch
             again = self._trace_at_twice_the_batch(inp)
             kind = "mean" if again is None else batch_reduction(again.gm, axes, i)

@@ -46,6 +46,20 @@ def _run(gpt, marks: set[int], **options):
     return value, grads, fingerprint(c.staged, c.runner.schedule)
 
 
+@pytest.fixture(scope="module")
+def listed(gpt):
+    """`listed(paths)`: `_run` with `cuts=paths` (a list), once per list for the module (each run
+    traces the GPT; the list forms are what both tests below compare with)."""
+    done = {}
+
+    def get(paths: list[str]):
+        if tuple(paths) not in done:
+            done[tuple(paths)] = _run(gpt, set(), cuts=list(paths))
+        return done[tuple(paths)]
+
+    return get
+
+
 def _close(a, b, tol=1e-12):
     assert abs(float(a[0]) - float(b[0])) < tol
     assert max(float((a[1][k] - b[1][k]).abs().max()) for k in b[1]) < tol
@@ -59,11 +73,11 @@ def _close(a, b, tol=1e-12):
         ({0, 2, N_LAYER}, ["blocks.0", "blocks.2", "ln_f"]),
     ],
 )
-def test_cuts_equal_the_equivalent_markers(gpt, marks, paths):
+def test_cuts_equal_the_equivalent_markers(gpt, listed, marks, paths):
     """The same programs (the fingerprint the ranks compare: every program's operations, the
     cut, the schedule), the same loss and gradients, equal to the unsplit function's."""
     loss_m, grads_m, fp_m = _run(gpt, marks)
-    loss_c, grads_c, fp_c = _run(gpt, set(), cuts=paths)
+    loss_c, grads_c, fp_c = listed(paths)
     assert fp_c == fp_m
     assert torch.equal(loss_c, loss_m) and all(torch.equal(grads_c[k], grads_m[k]) for k in grads_m)
     _close((loss_c, grads_c), gpt[4])
@@ -77,8 +91,8 @@ def test_cuts_equal_the_equivalent_markers(gpt, marks, paths):
         ({"blocks": 1}, ["blocks.1", "blocks.2", "blocks.3"]),
     ],
 )
-def test_rule_forms_name_the_same_modules_as_their_list(gpt, rule, paths):
-    assert _run(gpt, set(), cuts=rule)[2] == _run(gpt, set(), cuts=paths)[2]
+def test_rule_forms_name_the_same_modules_as_their_list(gpt, listed, rule, paths):
+    assert _run(gpt, set(), cuts=rule)[2] == listed(paths)[2]
 
 
 def test_stages_none_follows_the_cuts_and_a_wrong_count_is_refused(gpt):

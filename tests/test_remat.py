@@ -293,6 +293,29 @@ def test_checkpointed_blocks_are_recomputed(schedule):
     assert max(h for _, h in _held(ck, params, args)) < 0.8 * max(h for _, h in _held(plain, params, args))
 
 
+def test_each_checkpointed_region_is_recomputed_from_its_own_input():
+    """Two checkpointed blocks on a stage: each is recomputed from its own input (the block
+    before it keeps its output, as torch.utils.checkpoint does), just before its backward -- the
+    recomputation runs in several pieces and is never all alive at once -- with exact
+    gradients."""
+    torch.manual_seed(0)
+    model = CheckpointedGPT(vocab=32, d=32, n_head=2, n_layer=4, seq=16, stages=2).to(DT)
+    fn, params = fpipe.functionalize(model)
+    tokens = torch.randint(0, 32, (8, 16))
+    args = (tokens, tokens.roll(1, 1))
+    ck = fpipe.pipeline(lambda p, x, y: lm_loss(fn(p, x), y), microbatches=2, schedule="1f1b")
+    _, grads = fpipe.value_and_grad(ck)(params, *args)
+    plain_fn, _ = fpipe.functionalize(GPT(vocab=32, d=32, n_head=2, n_layer=4, seq=16, stages=2).to(DT))
+    torch.testing.assert_close(
+        grads, torch.func.grad(lambda p, x, y: lm_loss(plain_fn(p, x), y))(params, *args)
+    )
+    for place in [("B", 0), ("B", 1)]:
+        copies = _copies(ck, place)
+        assert _runs(copies) >= 2, place
+        most, total = _recomputed_alive(ck._last.staged.programs[place].gm, copies)
+        assert most < 0.5 * total, (place, most, total)  # (all at once before: 0.6 of it)
+
+
 def test_checkpoint_and_limit_together():
     """A limit on a checkpointed model starts from the regions' recomputation (GPipe: all four
     microbatches in flight, room to recompute more than the regions)."""

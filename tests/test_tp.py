@@ -174,13 +174,13 @@ def test_plan_chooses_dp_x_pp_around_the_models_tp_and_its_pipelines_are_exact(l
     four = [why for lay, why in recs[0]["dropped"] if lay.endswith(("zbv", "dualpipev", "interleaved-1f1b"))]
     assert four and all("entries of a ModuleList: 2 found" in w for w in four), recs[0]["dropped"]
     for r in recs:
-        for name, (loss_err, grad_err, dims, shape) in [(layout, r["chosen"]), *r["layouts"].items()]:
+        for name, (loss_err, grad_err, dims, shape) in r["layouts"].items():
             assert loss_err < TOL and grad_err < TOL, (name, r)
             assert dims[-1] == "tp" and shape[-1] == 2 and len(dims) == (3 if "dp=2" in name else 2), (
                 name,
                 dims,
             )
-    assert len(recs[0]["layouts"]) == 2
+    assert len(recs[0]["layouts"]) == 2 and layout in recs[0]["layouts"]  # the plan's own, run
 
 
 def test_plan_refuses_a_tp_mesh_its_layouts_cannot_rebuild(launches):
@@ -191,17 +191,15 @@ def test_plan_refuses_a_tp_mesh_its_layouts_cannot_rebuild(launches):
 
 def test_plan_enumerates_tp_with_a_function_that_parallelizes_the_model(launches):
     """`fpipe.plan(..., tensor_parallel=build)` on 4 ranks: tp = 1, 2 and 4 planned together
-    (each built by `build(tp_mesh)`), the 3 best verified as real steps, the same plan on every
-    rank; each tp's best candidate, `pipeline(c.function, plan=c)(c.params, ...)`, gives the
-    unsplit model's loss and gradients."""
+    (each built by `build(tp_mesh)`), the 2 best verified as real steps, the same plan on every
+    rank; the best candidate of tp = 2 and of tp = 4, `pipeline(c.function, plan=c)(c.params,
+    ...)`, gives the unsplit model's loss and gradients."""
     recs = [rec["plan_over_tp"] for rec in launches[4]]
     assert all("error" not in r for r in recs), recs
     first = recs[0]
     assert all(r["layout"] == first["layout"] and r["verified"] == first["verified"] for r in recs), recs
-    assert first["tps"] == [1, 2, 4] and first["layout"][2] == 3 and len(set(first["verified"])) == 3, first
-    assert {" tp=2 " in k for k in first["runs"]} == {True, False} and any(
-        " tp=4 " in k for k in first["runs"]
-    )
+    assert first["tps"] == [1, 2, 4] and first["layout"][2] == 2 and len(set(first["verified"])) == 2, first
+    assert sorted(k.split()[2] for k in first["runs"]) == ["tp=2", "tp=4"], first["runs"]
     for r in recs:
         for name, (loss_err, grad_err) in r["runs"].items():
             assert loss_err < TOL and grad_err < TOL, (name, r["runs"])

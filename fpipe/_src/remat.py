@@ -5,10 +5,12 @@ A stage's forward program F hands the values its backward needs (the saved activ
 backward programs of the same stage (B, or the zero-bubble halves I and W); I hands W the
 intermediates both need (split_iw.py). Each such value is held from its producer until its
 last reader, once per microbatch in flight. A *drop* `(P, v)` has program P compute `v` itself:
-`v`'s producing operations are copied from the producer Q's graph into P, right before P's
-first use of `v`, back to values P has anyway -- Q's own inputs (the stage's input, the
-parameters, the data), values P reads and does not drop, and, for P = B or I, values a later
-backward program of the stage reads (held that long anyway). Q no longer returns `v` when
+`v`'s producing operations are copied from the producer Q's graph into P, each just before
+its first reader there, back to values P has anyway -- Q's own inputs (the stage's input, the
+parameters, the data), values P reads and does not drop, for P = B or I, values a later
+backward program of the stage reads (held that long anyway), and the values of F the caller
+asks to keep (`apply`'s `keep`: the chooser's anchors, F returns them if it did not). Q no
+longer returns `v` when
 nothing else reads it. This is the mechanism the I/W split uses (a program is a set of
 operations cut out of the joint graph), run the other way.
 

@@ -26,7 +26,7 @@ from torch import nn
 
 from .compiler import _forward_as_joint
 from .functionalize import functionalize
-from .kv_cache import SlotCache, inplace_cache_writes
+from .kv_writes import inplace_cache_writes
 from .marker import BOUNDARY
 from .split import split
 from .staged import Program, Staged
@@ -178,6 +178,8 @@ def _keeping(fwd: Forward, cuts: list[int]) -> Forward:
 def trace_step(call: str, model: nn.Module, shapes: Shapes, device: torch.device) -> Forward:
     """Trace the model's step at `shapes` on fake tensors (no memory), a boundary before
     every decoder block."""
+    from .kv_cache import SlotCache  # (transformers: imported when a step is traced, not by fpipe)
+
     fn, params = functionalize(model)
     names = list(params)
     n_layers, kv_heads, head_dim = cache_layout(model)

@@ -10,8 +10,9 @@ long tensor handed in too (`offset`). `update` writes the new keys and values at
 `arange(q) + offset` with `index_copy_`, and the mask is sized for the whole buffer
 (`get_mask_sizes` -> `max_len`), so every shape is fixed: one decode trace serves every step,
 and a prefill trace every prompt of its length. The buffers are updated in place by the
-program that owns them (`inplace_cache_writes` turns the functional write the trace records back
-into an in-place one), so no step copies a cache.
+program that owns them (`inplace_cache_writes`, kv_writes.py, turns the functional write the
+trace records back into an in-place one), so no step copies a cache. This module imports
+transformers: decode.py imports it only when a step is traced, so `import fpipe` does not.
 """
 
 from __future__ import annotations
@@ -20,10 +21,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.fx as fx
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-__all__ = ["SlotCache", "inplace_cache_writes"]
+__all__ = ["SlotCache"]
 
 
 class SlotLayer(CacheLayerMixin):
@@ -72,27 +72,3 @@ class SlotCache(Cache):
 
     def __init__(self, kv: Sequence[tuple[torch.Tensor, torch.Tensor]], offset: torch.Tensor) -> None:
         super().__init__(layers=[SlotLayer(k, v, offset) for k, v in kv])
-
-
-def inplace_cache_writes(gm: fx.GraphModule) -> list[str]:
-    """Make each `index_copy(buf, d, i, x)` of an input `buf` that nothing else reads an
-    in-place `buf.index_copy_(d, i, x)`: the buffer is the program's own state (NOTE [a cache
-    whose position is data]), so the write lands in it and no step copies a whole cache.
-    (A write the trace recorded in place comes out of functionalisation as that op plus a
-    `copy_` back into `buf`; the `copy_` is then dropped.) Returns the buffers written."""
-    written = []
-    for node in list(gm.graph.find_nodes(op="call_function", target=torch.ops.aten.index_copy.default)):
-        buf = node.args[0]
-        if not isinstance(buf, fx.Node) or buf.op != "placeholder":
-            continue
-        back = [u for u in buf.users if u.target is torch.ops.aten.copy_.default and u.args[1] is node]
-        if set(buf.users) != {node, *back}:
-            continue  # read elsewhere too: writing in place could change that reader's value
-        node.target = torch.ops.aten.index_copy_.default
-        for copy in back:
-            copy.replace_all_uses_with(node)
-            gm.graph.erase_node(copy)
-        written.append(buf.name)
-    gm.graph.lint()
-    gm.recompile()
-    return written

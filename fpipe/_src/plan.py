@@ -298,7 +298,9 @@ def plan(
     batch = _batch(call, example_args, example_kwargs)
     builds, failed = [(f, params, tp, tp_mesh)], list[tuple[int, str]]()
     if tensor_parallel is not None:
-        builds += tp_builds(call, tensor_parallel, params, world_size, failed)
+        if tp > 1:
+            raise ValueError(f"{call}: with tensor_parallel=, pass the plain model's f and params (tp = 1).")
+        builds += tp_builds(call, tensor_parallel, world_size, failed)
     notes = [(_note(world_size, t), f"tp={t}: {why}") for t, why in failed]
     start, seconds = time.perf_counter(), 0.0
     fits, dropped, steps = list[Plan](), list[tuple[Plan, str]](), dict[Any, float]()

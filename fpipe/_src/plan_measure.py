@@ -40,7 +40,6 @@ class Measured:
     links: Links
     optimizer_s: float
     costs: dict[Any, list[float]]
-    seconds: float
     skipped: dict[Any, str]  # config -> why it was not timed
     steps: dict[Any, float] = dataclasses.field(default_factory=dict)  # verified: (layout, stages) -> s
     paths: dict[Any, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # with tp: config -> cuts
@@ -115,7 +114,7 @@ def measure(
     links = measure_links()
     opt = agree([optimizer_seconds(optimizer, params)])[0]
     tp = tp_mesh.size() if tp_mesh is not None else 1
-    return Measured(times, links, opt, costs, time.perf_counter() - start, skipped, paths=paths, tp=tp)
+    return Measured(times, links, opt, costs, skipped, paths=paths, tp=tp)
 
 
 def _order(configs: dict[Any, Any]) -> list[Any]:
@@ -139,7 +138,7 @@ def _segments(f: Any, params: Any, sub: Any, m: int, blocks: list[str], tp_mesh:
     return agree([fw + bw for fw, bw in zip(t.kinds["F"], t.kinds["B"])])
 
 
-def tp_builds(call: str, build: Any, params: Any, world_size: int, notes: list[Any]) -> list[Any]:
+def tp_builds(call: str, build: Any, world_size: int, notes: list[Any]) -> list[Any]:
     """(f, params, tp, tp mesh) of `build(tp_mesh)` for every tp > 1 dividing `world_size`, each
     on a ("rest", "tp") mesh of (world_size // tp, tp); a tp whose build raises on any rank is
     left out, with (tp, why) in `notes`."""
@@ -147,8 +146,6 @@ def tp_builds(call: str, build: Any, params: Any, world_size: int, notes: list[A
 
     if not callable(build):
         raise TypeError(f"{call}: tensor_parallel must be a function tp_mesh -> (f, params), got {build!r}.")
-    if any(isinstance(p, torch.Tensor) and hasattr(p, "placements") for p in tree_flatten(params)[0]):
-        raise ValueError(f"{call}: with tensor_parallel=, pass the plain model's f and params (tp = 1).")
     if world()[1] == 1:
         notes.append((world_size, "tp > 1 is planned under torchrun only"))
         return []

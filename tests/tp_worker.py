@@ -157,6 +157,8 @@ def whole(t: torch.Tensor) -> torch.Tensor:
 
 
 def run_case(name: str, mesh: Any) -> dict[str, Any]:
+    """One case's record; "tp-1f1b" also measures `matmul_share` on its compiled pipeline, and the
+    ADAMW cases take their two AdamW steps through it (the same pipeline they would build)."""
     plan, schedule, cuts, reduction = CASES[name]
     model = built(plan, mesh)
     fn, params = fpipe.functionalize(model)
@@ -164,9 +166,10 @@ def run_case(name: str, mesh: Any) -> dict[str, Any]:
     x, y = data()
     ref_g, ref_v = torch.func.grad_and_value(loss_of(rfn, reduction))(rparams, x, y)
     piped = fpipe.pipeline(loss_of(fn, reduction), mesh=mesh, microbatches=M, schedule=schedule, cuts=cuts)
+    vg = fpipe.value_and_grad(piped)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        v, g = fpipe.value_and_grad(piped)(params, my_slice(mesh, x), my_slice(mesh, y))
+        v, g = vg(params, my_slice(mesh, x), my_slice(mesh, y))
     forward = piped(params, my_slice(mesh, x), my_slice(mesh, y))  # a plain call: the loss alone
     rec: dict[str, Any] = {
         "warned_reduction": any("cannot read how output" in str(w.message) for w in caught),
@@ -188,8 +191,10 @@ def run_case(name: str, mesh: Any) -> dict[str, Any]:
             - float(torch.stack([t.norm() for t in ref_g.values()]).norm())
         ),
     }
+    if name == "tp-1f1b":
+        rec["matmul_share"] = record("matmul_share", matmul_share, mesh, vg, params)
     if name in ADAMW and (name in ON_8_RANKS or "dp" not in mesh.mesh_dim_names):
-        rec["adamw_err"] = adamw_steps(plan, mesh)
+        rec["adamw_err"] = adamw_steps(model, params, piped, mesh)
     return rec
 
 
@@ -203,9 +208,11 @@ def crossing(piped: Any) -> list[list[int]]:
     )
 
 
-def adamw_steps(plan: str, mesh: Any) -> float:
+def adamw_steps(model: GPT, params: dict[str, torch.Tensor], piped: Any, mesh: Any) -> float:
     """Two AdamW steps through the pipeline (DTensor parameters, DTensor gradients) against two
-    of the unsplit model in one process: the largest difference of a parameter this rank holds."""
+    of the unsplit model in one process: the largest difference of a parameter this rank holds.
+    `piped` is the case's pipeline of `model` (`params` its parameters), the same as
+    `pipeline(loss_of(fn), mesh=mesh, microbatches=M, cuts=TWO)` of a fresh one, already compiled."""
     x, y = data()
     ref = reference()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
@@ -213,9 +220,6 @@ def adamw_steps(plan: str, mesh: Any) -> float:
         ref_opt.zero_grad()
         F.cross_entropy(ref(x).flatten(0, 1), y.flatten()).backward()
         ref_opt.step()
-    model = built(plan, mesh)
-    fn, params = fpipe.functionalize(model)
-    piped = fpipe.pipeline(loss_of(fn), mesh=mesh, microbatches=M, cuts=TWO)
     opt = None
     grads: dict[str, torch.Tensor] = {}
     held = dict(model.named_parameters())
@@ -230,13 +234,12 @@ def adamw_steps(plan: str, mesh: Any) -> float:
     return max(float((whole(held[k].detach()) - want[k].detach()).abs().max()) for k in grads)
 
 
-def matmul_share(mesh: Any) -> float:
+def matmul_share(mesh: Any, vg: Any, params: dict[str, torch.Tensor]) -> float:
     """This rank's matrix-multiply FLOPs in a step over those of the unsplit step over its dp
-    slice (one process, autograd): about 1 / (pp x tp)."""
-    fn, params = fpipe.functionalize(built("tp", mesh))
+    slice (one process, autograd): about 1 / (pp x tp). `vg`: value_and_grad of the "tp-1f1b"
+    case's pipeline (`pipeline(loss_of(fn), mesh=mesh, microbatches=M, cuts=TWO)` of the "tp"
+    GPT), already compiled and run once; `params` its parameters."""
     x, y = (my_slice(mesh, t) for t in data())
-    vg = fpipe.value_and_grad(fpipe.pipeline(loss_of(fn), mesh=mesh, microbatches=M, cuts=TWO))
-    vg(params, x, y)  # compiles
     with MatmulFlops() as mine:
         vg(params, x, y)
     ref = reference()
@@ -496,7 +499,7 @@ def main() -> None:
     only = os.environ.get("TP_WORKER_CASES")  # for running a few cases by hand
     for name in only.split(",") if only else (CASES if world == 4 else ON_8_RANKS):
         rec[name] = record(name, run_case, name, mesh)
-    rec["matmul_share"] = record("matmul_share", matmul_share, mesh)
+    rec["matmul_share"] = rec.get("tp-1f1b", {}).pop("matmul_share", "tp-1f1b did not run")
     if world == 8:
         rec["dp_and_tp"] = record("dp_and_tp", dp_and_tp_at_once, mesh)
     if world == 4:

@@ -30,11 +30,12 @@ def pytest_configure(config):
 
 @pytest.fixture(scope="session")
 def four_ranks(tmp_path_factory):
-    """`four_ranks(part)`: each rank's record of one part ("trust", "hf" or "generate") of the
-    one torchrun launch of `tests/four_ranks_worker.py` (4 ranks, started on first use) that
-    tests/test_trust_dist.py, tests/test_hf_dist.py and tests/test_generate_cache.py share."""
+    """`four_ranks(part)`: each rank's record of one part ("trust", "hf", "dp" or "generate") of
+    the one torchrun launch of `tests/four_ranks_worker.py` (4 ranks, started on first use) that
+    tests/test_trust_dist.py, tests/test_hf_dist.py, tests/test_dp.py and
+    tests/test_generate_cache.py share."""
     out = tmp_path_factory.mktemp("four_ranks")
-    parts = {part: out / part for part in ("trust", "hf", "generate")}
+    parts = {part: out / part for part in ("trust", "hf", "dp", "generate")}
     launched: list = []
 
     def get(part: str) -> list[dict]:

@@ -2,7 +2,8 @@
 mesh of 2 x 2. Every rank draws the same global batch and passes its dp slice; each case compares
 the loss and this rank's gradients with `torch.func.grad_and_value` of the unsplit function over
 the *global* batch (fp64), and gathers them over dp to compare the replicas bitwise. Writes
-`rank{R}.json` into `--out`.
+`rank{R}.json` into `--out`. Run by `tests/four_ranks_worker.py` (`run`: one 4-rank launch shared
+with other test modules); `main` runs it alone.
 """
 
 from __future__ import annotations
@@ -372,10 +373,9 @@ def planned() -> dict[str, Any]:
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
+def run(out: str) -> None:
+    """Every case, on 4 ranks (the default process group, initialised here if it is not yet);
+    writes `out/rank{R}.json`."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
     rank = dist.get_rank()
     rec: dict[str, Any] = {"rank": rank, "dp": mesh.get_local_rank("dp"), "pp": mesh.get_local_rank("pp")}
@@ -398,8 +398,14 @@ def main() -> None:
         rec["plan"] = planned()
     except Exception as err:  # recorded; the test names it
         rec["plan"] = {"error": f"{type(err).__name__}: {err}"}
-    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(rec, f)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    run(ap.parse_args().out)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
-"""One 4-rank torchrun launch for three test modules (a process group costs seconds to start, and
+"""One 4-rank torchrun launch for four test modules (a process group costs seconds to start, and
 4 processes importing torch, transformers and fpipe on 2 cores cost more):
 
     torchrun --standalone --nproc-per-node 4 tests/four_ranks_worker.py \
-        --trust-out DIR1 --hf-out DIR2 --generate-out DIR3
+        --trust-out DIR1 --hf-out DIR2 --dp-out DIR3 --generate-out DIR4
 
 In one process group, in this order: the (dp=2, pp=2) mesh cases of `trust_dist_worker`
-(tests/test_trust_dist.py), every case of `hf_dist_worker` (tests/test_hf_dist.py), then
+(tests/test_trust_dist.py), every case of `hf_dist_worker` (tests/test_hf_dist.py), every case of
+`dp_worker` (tests/test_dp.py), then
 `generate_worker`'s (tests/test_generate_cache.py), whose last case makes a rank fail, breaks the
 group and ends every process. Each part writes its own folder, as its worker alone would; each
 pipeline has its own store namespace, so one part's failure reports are not another's.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 
+import dp_worker
 import generate_worker
 import hf_dist_worker
 import torch
@@ -26,6 +28,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--trust-out", required=True)
     ap.add_argument("--hf-out", required=True)
+    ap.add_argument("--dp-out", required=True)
     ap.add_argument("--generate-out", required=True)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -34,6 +37,8 @@ def main() -> None:
     trust_dist_worker.mesh(args.trust_out)
     dist.barrier()
     hf_dist_worker.run(args.hf_out)
+    dist.barrier()
+    dp_worker.run(args.dp_out)
     dist.barrier()
     generate_worker.run(args.generate_out)  # last: ends the process
 

@@ -1,8 +1,9 @@
 """Data x pipeline parallelism on one DeviceMesh (NOTE [gradients over replicas] in
 fpipe/_src/replicas.py, sharded parameters in fpipe/_src/sharding.py): 4 gloo ranks under
-torchrun, dp=2 x pp=2, each passing its dp slice of one global batch. One launch of
-`tests/dp_worker.py` runs every case; each compares with `torch.func.grad_and_value` of the
-unsplit function over the global batch, in fp64. Cases "sharded-*" pass the parameters as
+torchrun, dp=2 x pp=2, each passing its dp slice of one global batch. One launch runs every case
+of `tests/dp_worker.py` (its part of the 4-rank launch of tests/four_ranks_worker.py, shared with
+other modules); each compares with `torch.func.grad_and_value` of the unsplit function over the
+global batch, in fp64. Cases "sharded-*" pass the parameters as
 DTensors placed Shard(0) on the "dp" sub-mesh."""
 
 from __future__ import annotations
@@ -10,11 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from dist_launch import read_json, report, run_torchrun, torchrun_cmd
 
 TOL = 1e-12
-RANKS = 4
-DEADLINE_S = 300.0
 SHARDED = ["sharded-1f1b", "sharded-zbv", "sharded-tied", "sharded-uneven"]
 CASES = ["1f1b", "gpipe", "interleaved", "zbv", "sum", "tied", *SHARDED]
 ADAMW = ["1f1b", "tied", "sharded-1f1b", "sharded-tied", "sharded-uneven"]
@@ -27,12 +25,10 @@ EXPECTED_KEYS = {
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict[str, Any]]:
-    out = tmp_path_factory.mktemp("dp")
-    procs = run_torchrun([torchrun_cmd("dp_worker.py", RANKS, "--out", str(out))], out, DEADLINE_S)
-    missing = [r for r in range(RANKS) if not (out / f"rank{r}.json").exists()]
-    assert not missing and all(p.rc == 0 for p in procs), f"ranks {missing} wrote no record\n" + report(procs)
-    return [read_json(out / f"rank{r}.json") for r in range(RANKS)]
+def ranks(four_ranks) -> list[dict[str, Any]]:
+    """Each rank's record of `dp_worker`'s part of the 4-rank launch that this module shares with
+    others (the `four_ranks` fixture of tests/conftest.py)."""
+    return four_ranks("dp")
 
 
 @pytest.mark.parametrize("case", CASES)

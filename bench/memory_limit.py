@@ -7,7 +7,7 @@ For each schedule (1f1b on 2 stages, zbv on 4 stages V-placed over 2 ranks), the
 runs as it is (unconstrained), under limits of 75 % and 50 % of the unconstrained peak (the
 larger rank's predicted peak: one limit for every rank), with `torch.utils.checkpoint` around
 every block (which fpipe recomputes), and under the limit whose target is that checkpointed
-run's peak (fpipe's own choice aiming at the same memory: it aims 10 % under a limit). Per rank: the predicted peak (`piped.memory`, before
+run's peak (fpipe's own choice aiming at the same memory: it aims 15 % under a limit). Per rank: the predicted peak (`piped.memory`, before
 anything runs), the measured one (resident-set growth of one step after a warm-up, with a fixed
 mmap threshold: ../shared/DESIGN.md, "Measuring memory on CPU"), whether the gradients equal the
 unconstrained run's bit for bit, the median step time of `--steps` steps (the variants' steps
@@ -39,9 +39,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import CONFIGS, GPT, cuts_for, fpipe_revision, lm_loss, make_batch  # noqa: E402
 
 import fpipe  # noqa: E402
+from fpipe._src import remat_choose  # noqa: E402
 from fpipe._src.memory import predict  # noqa: E402
 from fpipe._src.partition import node_cost  # noqa: E402
-from fpipe._src.remat_choose import HEADROOM_PARTS, least  # noqa: E402
+from fpipe._src.remat_choose import least  # noqa: E402
 from fpipe._src.run import LocalRunner  # noqa: E402
 from fpipe._src.run_dist import DistRunner  # noqa: E402
 
@@ -104,7 +105,7 @@ def least_limit(piped: fpipe.Pipelined) -> int:
         return predict(st, runner, summed, n_mb)
 
     peak = least(c.base, predicted, piped.local_stages).peak
-    return -(-peak * HEADROOM_PARTS // (HEADROOM_PARTS - 1))
+    return remat_choose.least_limit(peak)
 
 
 def largest(value: int) -> int:
@@ -163,7 +164,7 @@ def schedule_rows(schedule: str, stages: int, args: Any) -> list[tuple[Any, ...]
     ck = run(model(CheckpointedGPT), schedule, args, None, free["grads"])
     variants = [("unconstrained", None, free), ("checkpoint every block", None, ck)]
     limits = [("limit 75 %", int(0.75 * peak)), ("limit 50 %", int(0.5 * peak))]
-    aim = -(-largest(ck["predicted"]) * HEADROOM_PARTS // (HEADROOM_PARTS - 1))  # target: ck's peak
+    aim = remat_choose.least_limit(largest(ck["predicted"]))  # target: ck's peak
     limits.append(("limit aiming at checkpoint's peak", aim))
     rows: list[tuple[Any, ...]] = []
     least = largest(free["least"])

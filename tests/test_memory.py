@@ -13,6 +13,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +25,13 @@ from models import GPT, MLP, lm_loss
 
 import fpipe
 from fpipe._src import run as run_
+from fpipe._src.dist import SendReaper
 
 WORKER = Path(__file__).resolve().parent / "memory_worker.py"
 CASES = ["mlp-gpipe-4-8", "mlp-1f1b-4-8", "mlp-zb-h1-4-8", "gpt-gpipe-4-8", "gpt-1f1b-4-8"]
 CASES += ["gpt-zb-h1-4-8@0.6", "gptck-1f1b-4-8"]  # under memory_limit (0.6 x the peak); checkpointed
 GROUP_CASES = ["gpt-1f1b-2-8", "gpt-zbv-4-8"]  # 2 ranks; zbv: 2 stages per rank
-GROUP_CASES += ["gpt-1f1b-2-8@0.5", "gpt-zbv-4-8@0.5"]  # one limit: half the larger rank's peak
+GROUP_CASES += ["gpt128-1f1b-2-8@0.5", "gpt128-zbv-4-8@0.5"]  # one limit: half the larger rank's peak
 MMAP = {"MALLOC_MMAP_THRESHOLD_": "131072"}  # freed tensors leave the resident set
 
 
@@ -108,11 +111,13 @@ def test_a_memory_limit_is_met_in_one_process(measured):
 
 
 def test_a_memory_limit_is_met_on_each_rank(measured_ranks):
-    for case in ("gpt-1f1b-2-8@0.5", "gpt-zbv-4-8@0.5"):
+    for case in ("gpt128-1f1b-2-8@0.5", "gpt128-zbv-4-8@0.5"):
         assert len(measured_ranks[case]) == 2
         for m in measured_ranks[case]:
             _under_limit(m)
             assert m["recomputed_ops"] > 0  # each rank had to recompute to fit
+            assert m["bound_sends"]  # and its sends complete by the end of the next action
+    assert not any(m["bound_sends"] for m in measured_ranks["gpt-zbv-4-8"])  # no limit: overlapped
 
 
 def test_checkpointed_blocks_hold_less(measured):
@@ -185,3 +190,41 @@ def test_one_microbatch_gradients_kept_as_computed():
     report = piped.memory_report(params, torch.randn(8, 6))
     grads = sum(p.numel() * p.element_size() for p in params.values())
     assert sum(s.grads for s in report.stages) == grads
+
+
+class _GatedGroup:
+    """A process group stand-in whose send waits end when `gate` is set, or raise `error`."""
+
+    rank, store = 0, None
+
+    def __init__(self) -> None:
+        self.gate, self.error = threading.Event(), None
+
+    def wait_all(self, works: Any, timeout: float, what: Any, peer: Any) -> None:
+        assert self.gate.wait(10)
+        if self.error is not None:
+            raise self.error
+
+
+def test_under_a_limit_a_send_lets_its_tensor_go_before_the_next_action_ends():
+    """memory.py predicts an action's sent values let go once the next action has ended; gloo's
+    send waits for the peer's receive, so under `memory_limit` the runner waits for them there
+    (`SendReaper.settled`) rather than hold them as long as a slow peer makes it."""
+    pg = _GatedGroup()
+    reaper = SendReaper(pg, 10.0)  # type: ignore[arg-type]
+    t = torch.ones(1024)
+    gone = weakref.ref(t)
+    before = reaper.submitted
+    reaper.submit([object()], [t], "a send")
+    del t
+    waiter = threading.Thread(target=reaper.settled, args=(before + 1,))
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive() and gone() is not None  # the peer has not received it: held, waited on
+    pg.gate.set()
+    waiter.join(10)
+    assert not waiter.is_alive() and gone() is None  # settled: the tensor is let go
+    pg.error = RuntimeError("rank 1 stopped")
+    reaper.submit([object()], [torch.ones(4)], "a failing send")
+    with pytest.raises(RuntimeError, match="rank 1 stopped"):  # the send's failure, on the caller
+        reaper.settled(reaper.submitted)

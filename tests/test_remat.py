@@ -98,7 +98,7 @@ def test_a_limit_is_met_with_exact_gradients(model, schedule, stages):
     limit = int(0.7 * unconstrained)
     piped = fpipe.pipeline(loss, microbatches=8, schedule=sched, memory_limit=limit)
     report = piped.memory_report(params, *args)
-    assert report.peak <= 0.9 * limit and limit < unconstrained  # 10 % headroom
+    assert report.peak <= 0.85 * limit and limit < unconstrained  # 15 % headroom
     value, grads = fpipe.value_and_grad(piped)(params, *args)
     ref_grads, ref_value = torch.func.grad_and_value(loss)(params, *args)
     torch.testing.assert_close(value, ref_value)
@@ -180,7 +180,7 @@ def test_an_impossible_limit_is_refused_before_anything_runs():
         r"pipeline\(<lambda>, microbatches=4\): memory_limit=1000 bytes \(0.0 MiB\) cannot be met "
         r"on pipeline rank 0: recomputing in the backward what fpipe can, the least this rank's "
         r"step needs is (\d+) bytes \(.*\), so the least limit fpipe can meet is "
-        r"memory_limit=(\d+) \(it keeps 10% below the limit"
+        r"memory_limit=(\d+) \(it keeps 15% below the limit"
     )
     with pytest.raises(ValueError, match=msg) as err:
         fpipe.value_and_grad(piped)(params, *args)
@@ -262,7 +262,7 @@ def test_recomputed_dropout_draws_the_same_mask():
 
     params = {"w1": w1, "w2": w2}
     free = fpipe.pipeline(f, microbatches=4, schedule="1f1b")
-    limit = int(0.7 * free.memory(params, x))
+    limit = int(0.75 * free.memory(params, x))  # its target, less 15 %: 64 %
     piped = fpipe.pipeline(f, microbatches=4, schedule="1f1b", memory_limit=limit)
     assert piped.memory(params, x) <= limit
     torch.manual_seed(1)

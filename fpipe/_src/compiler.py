@@ -160,7 +160,7 @@ class Compiler:
     def _runner(self, staged: Staged, sched: Schedule) -> Any:
         if self.pg is None:
             return LocalRunner(staged, sched)
-        return DistRunner(staged, sched, self.pg, self.cfg.timeout)
+        return DistRunner(staged, sched, self.pg, self.cfg.timeout, self.cfg.memory_limit is not None)
 
     def _remat(self, base: Staged, sched: Schedule, inp: Inputs, diff: list[int]) -> Staged:
         """Checkpointed regions recomputed, and what `memory_limit` needs (remat_choose.py)."""

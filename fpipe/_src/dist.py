@@ -306,13 +306,17 @@ class _WaitWatch:
 
 class SendReaper:
     """Holds sent tensors until their sends complete (gloo's send waits for the receiver), on a
-    background thread, so the main thread never blocks on a send."""
+    background thread, so the main thread never blocks on a send -- unless it asks to
+    (`settled`: a pipeline under a memory limit bounds how long sent values live)."""
 
     def __init__(self, pg: PPGroup, timeout: float) -> None:
         self.pg, self.timeout = pg, timeout
         self.queue: queue.Queue[Any] = queue.Queue()
         self.error: BaseException | None = None
         self.peer: int | None = None  # whom the send being waited on goes to
+        self.submitted = 0  # sends submitted, and of them completed (in order: one thread)
+        self._done = 0
+        self._cv = threading.Condition()
         self.thread = threading.Thread(target=self._loop, name="fpipe-send-reaper", daemon=True)
         self.thread.start()
         settle_at_exit(self._settle)
@@ -320,7 +324,18 @@ class SendReaper:
     def submit(
         self, works: list[Any], tensors: list[torch.Tensor], what: str, peer: int | None = None
     ) -> None:
+        self.submitted += 1
         self.queue.put((works, tensors, what, peer))
+
+    def settled(self, n: int) -> None:
+        """Block until the first `n` submitted sends have completed (their tensors let go); a
+        send's failure is raised here. Each send's own wait is bounded by the timeout, so this
+        wait is too."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._done >= n)
+        if self.error is not None:
+            err, self.error = self.error, None
+            raise err
 
     def _loop(self) -> None:
         while True:
@@ -333,6 +348,9 @@ class SendReaper:
                 self.error = err
             finally:
                 del works, tensors
+                with self._cv:
+                    self._done += 1
+                    self._cv.notify_all()
                 self.queue.task_done()
 
     def _settle(self) -> None:

@@ -59,8 +59,13 @@ def send_reaper(pg: PPGroup, timeout: float) -> SendReaper:
 class DistRunner:
     """Runs this rank's part of a `Schedule` over a `Staged` program."""
 
-    def __init__(self, staged: Staged, schedule: Schedule, pg: PPGroup, timeout: float) -> None:
+    def __init__(
+        self, staged: Staged, schedule: Schedule, pg: PPGroup, timeout: float, bound_sends: bool = False
+    ) -> None:
         self.staged, self.schedule, self.pg, self.timeout = staged, schedule, pg, timeout
+        # each action's sent values let go once the next action has ended, as memory.py
+        # predicts (NOTE [predicting memory]); else they live until the peer has them
+        self.bound_sends = bound_sends
         self.rank = pg.rank
         self.actions = schedule.ranks[self.rank]
         self.plan: CommPlan = comm_plan(schedule, self._sends_of, self._reads_of)
@@ -162,6 +167,7 @@ class DistRunner:
             st.issue(None)
             for a in self.actions:
                 st.current = a
+                sent_before = self.reaper.submitted
                 if before is not None:  # e.g. gather sharded parameters while receives travel
                     before(a)
                 start = time.perf_counter()
@@ -169,6 +175,8 @@ class DistRunner:
                 if self.need[a]:
                     self.timeline.add(f"wait {a}", self.rank, start, time.perf_counter(), "wait")
                 self._step(a, st, glob, results)
+                if self.bound_sends:  # the sends of the actions before this one have completed
+                    self.reaper.settled(sent_before)
                 if after is not None:
                     after(a, results)
             self.reaper.drain()

@@ -14,7 +14,8 @@ fake tensors (`memory_graph.profile`):
   the other step outputs (each microbatch's loss), to the end;
 - in a process group, receive buffers from the moment their receive is posted (the plan's
   groups; on gloo one group early), and sent values until this rank's next action has ended
-  (the send thread keeps them until the peer has them; the wait is not modelled);
+  (the send thread keeps them until the peer has them: under a memory limit the runner waits
+  for that there, `DistRunner.bound_sends`; without one a slow peer can make it later);
 - while a program runs, its own peak (`Profile.peak`: what it allocates that is alive at once).
 
 The peak is the largest held-plus-running total over the step. The parameters, module buffers

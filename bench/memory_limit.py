@@ -3,17 +3,17 @@ gradients, step time against the share recomputed, and checkpointing every block
 
     MALLOC_MMAP_THRESHOLD_=131072 torchrun --standalone --nproc-per-node 2 bench/memory_limit.py
 
-For each schedule (1f1b on 2 stages, zbv on 4 stages V-placed over 2 ranks), the benchmark GPT
-runs as it is (unconstrained), under limits of 75 % and 50 % of the unconstrained peak (the
-larger rank's predicted peak: one limit for every rank), with `torch.utils.checkpoint` around
-every block (which fpipe recomputes), and under the limit whose target is that checkpointed
-run's peak (fpipe's own choice aiming at the same memory: it aims 15 % under a limit). Per rank: the predicted peak (`piped.memory`, before
-anything runs), the measured one (resident-set growth of one step after a warm-up, with a fixed
-mmap threshold: ../shared/DESIGN.md, "Measuring memory on CPU"), whether the gradients equal the
-unconstrained run's bit for bit, the median step time of `--steps` steps (the variants' steps
-interleaved, round after round, so that the host's changing load touches them alike), and the share
-recomputed: the estimated cost (`partition.node_cost`) of the operations the backward programs
-gained, over the cost of the rank's forward programs.
+For each schedule (1f1b on 2 stages, zbv on 4 stages V-placed over 2 ranks), the benchmark GPT runs
+as it is (unconstrained), under limits of 75 % and 50 % of the unconstrained peak (the larger rank's
+predicted peak: one limit for every rank), with `torch.utils.checkpoint` around every block (which
+fpipe recomputes), and under the limit whose target is that checkpointed run's peak (fpipe's own
+choice aiming at the same memory: it aims 15 % under a limit). Per rank: the predicted peak
+(`piped.memory`, before anything runs), the measured one (resident-set growth of one step after a
+warm-up, with a fixed mmap threshold: ../shared/DESIGN.md, "Measuring memory on CPU"), whether the
+gradients equal the unconstrained run's bit for bit, the median step time of `--steps` steps (the
+variants' steps interleaved, round after round, so that the host's changing load touches them
+alike), and the share recomputed: the estimated cost (`partition.node_cost`) of the operations the
+backward programs gained, over the cost of the rank's forward programs.
 
 Results: docs/BENCHMARKS.md, "Meeting a memory limit (issue 14)".
 """
@@ -91,7 +91,7 @@ def costs(piped: fpipe.Pipelined) -> tuple[float, float]:
     return out[0], out[1]
 
 
-def least_limit(piped: fpipe.Pipelined) -> int:
+def least_limit_met(piped: fpipe.Pipelined) -> int:
     """The least memory_limit fpipe can meet on this rank: the least peak its chooser finds,
     plus its headroom (what `pipeline` would refuse, found without asking it: a refusal on one
     rank ends the group's run)."""
@@ -129,7 +129,7 @@ def run(model: Any, schedule: str, args: Any, limit: int | None, ref: Any) -> di
     local = {k: g for k, g in grads.items() if not g.is_meta}
     diff = max((float((g - ref[k]).abs().max()) for k, g in local.items()), default=0.0) if ref else 0.0
     fwd, bwd = costs(piped)
-    least = least_limit(piped) if limit is None else 0
+    least = least_limit_met(piped) if limit is None else 0
     print(f"  {schedule} limit={limit}: {time.perf_counter() - START:.0f} s", file=sys.stderr, flush=True)
     return dict(predicted=predicted, measured=measured, grads=local, diff=diff, fwd=fwd, bwd=bwd,
                 least=least, step=lambda: step(params, tokens, targets))  # fmt: skip

@@ -6,7 +6,8 @@ plan that keeps every saved value (with the values of `torch.utils.checkpoint` r
 recomputed, remat.py) and predicts this rank's peak (memory.py: the held values per microbatch
 in flight, the running program's own peak -- the recomputation inside a backward included --
 and the zero-bubble W halves' inputs), against the limit less a 15 % headroom
-(`HEADROOM_PERCENT`: what the prediction does not see, the bound its accuracy is tested to). While the peak is over it, `_Search`:
+(`HEADROOM_PERCENT`: what the prediction does not see, the bound its accuracy is tested to).
+While the peak is over it, `_Search`:
 
 1. keeps each stage's anchors (NOTE [recomputing segment by segment] in remat_segments.py: the
    residual stream between blocks) and drops *units* (the reads that free one storage), best

@@ -64,3 +64,56 @@ def test_the_ci_range_covers_every_enabled_feature():
     feats = collections.Counter(f for ex in exs for f in ex.features)
     assert all(feats[f] >= 5 for f in ENABLED), feats
     assert {ex.schedule for ex in exs} == set(fpipe.schedules.names())
+
+
+# -- the fuzzer itself --------------------------------------------------------------------------
+def test_an_example_is_a_function_of_seed_index_and_features():
+    some = {"buffer_rw", "boundaries", "int_aux"}
+    for i in range(40):
+        assert draw(7, i, some) == draw(7, i, some)
+        ex = draw(7, i, some)
+        assert ex.features <= some, (ex, ex.features)
+    assert len({draw(7, i, some) for i in range(40)}) > 30
+
+
+def test_a_mismatch_of_dtype_value_or_presence_is_a_failure():
+    import torch
+    from fuzz.check import compare, problems_outcome
+
+    out: list = []
+    compare("step1:aux", {"n": torch.tensor(4.0)}, {"n": torch.tensor(4)}, out)
+    compare(
+        "step1:loss",
+        torch.tensor(1.0, dtype=torch.float64) + 1e-6,
+        torch.tensor(1.0, dtype=torch.float64),
+        out,
+    )
+    compare("step1:grads", {"w": None}, {"w": torch.zeros(2)}, out)
+    compare(
+        "step1:buffers",
+        {"b": torch.ones(2, dtype=torch.float64)},
+        {"b": torch.ones(2, dtype=torch.float64)},
+        out,
+    )
+    o = problems_outcome(out)
+    assert o.status == "fail" and o.signature.split() == [
+        "step1:aux.n:dtype", "step1:grads:missing", "step1:loss:value"
+    ], o  # fmt: skip
+
+
+def test_shrinking_keeps_the_failure_and_drops_the_rest():
+    from fuzz.check import Outcome
+    from fuzz.shrink import shrink
+
+    def run(cands):  # a planted bug: a written buffer read under a memory limit
+        bad = [("buf_rw" in c.layers and c.limit is not None) for c in cands]
+        return [Outcome("fail", "step1:grads:value") if b else Outcome("ok") for b in bad]
+
+    ex = next(
+        e
+        for i in range(200)
+        if len((e := draw(0, i, ENABLED)).layers) >= 3 and e.limit and "buf_rw" in e.layers
+    )
+    small, o, runs = shrink(ex, run([ex])[0], run, batch=False)
+    assert o.status == "fail" and small.layers == ("buf_rw",) and small.limit is not None, small
+    assert small.cuts == () and small.aux == () and not small.grad_x and small.microbatches == 1, small

@@ -7,7 +7,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .campaign import Campaign, parse_features, run_dist, shrink_groups, summary
+from .campaign import Campaign, parse_features, read_record, run_dist, shrink_groups, summary
 from .check import run_example
 from .grammar import FEATURES, parse
 from .shrink import program_text
@@ -28,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-shrink", action="store_true")
     p.add_argument("--shrink-budget", type=int, default=60, help="runs per failure group")
     p.add_argument("--replay", help="an Example(...) as printed: run it and print its outcome")
+    p.add_argument("--record", type=Path, help="append a JSON line per example to this file")
+    p.add_argument("--summarize", type=Path, help="summarize (and shrink) a --record file instead of running")
+    p.add_argument("--deadline-s", type=float, help="start no in-process example after this many seconds")
     args = p.parse_args(argv)
     if args.replay:
         ex = parse(args.replay)
@@ -38,10 +41,17 @@ def main(argv: list[str] | None = None) -> int:
             o = run_example(ex)
         print(o)
         return 1 if o.status == "fail" else 0
+    if args.summarize:
+        results = read_record(args.summarize)
+        print(summary(results))
+        if not args.no_shrink:
+            shrink_groups(results, args.ranks, args.shrink_budget)
+        return 1 if any(r.outcome.status == "fail" for r in results) else 0
     feats = parse_features(args.features, args.without)
     print(f"fuzz: seed {args.seed}, examples {args.start}..{args.start + args.examples - 1}"
           f"{f' + {args.dist} on {args.ranks} ranks' if args.dist else ''}, features: {', '.join(sorted(feats))}")  # fmt: skip
-    c = Campaign(args.seed, feats, args.examples, args.start, args.dist, args.ranks, args.jobs)
+    c = Campaign(args.seed, feats, args.examples, args.start, args.dist, args.ranks, args.jobs, record=args.record,
+                 deadline_s=args.deadline_s)  # fmt: skip
     results = c.run()
     print(summary(results))
     if not args.no_shrink:

@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import multiprocessing
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from .check import Outcome, run_example
-from .grammar import FEATURES, Example, draw
+from .grammar import FEATURES, Example, draw, parse
 from .shrink import program_text, shrink, snippet
 
 
@@ -35,15 +36,22 @@ class Campaign:
     world: int = 2
     jobs: int = 1
     log: Callable[[str], None] = print
+    record: Path | None = None  # a JSON line per example, written as it finishes
+    deadline_s: float | None = None  # start no in-process example after this many seconds
     results: list[Result] = dataclasses.field(default_factory=list)
 
     def run(self) -> list[Result]:
         t0 = time.monotonic()
         idx = range(self.start, self.start + self.examples)
-        for n, r in enumerate(_run_all([draw(self.seed, i, self.features) for i in idx], self.jobs), 1):
+        stop = None if self.deadline_s is None else t0 + self.deadline_s
+        exs = (draw(self.seed, i, self.features) for i in idx if stop is None or time.monotonic() < stop)
+        for n, r in enumerate(_run_all(exs, self.jobs), 1):
             self.results.append(r)
+            self._record(r)
             if n % 50 == 0 or n == self.examples:
                 self.log(f"[{n}/{self.examples}] {_counts(self.results)}  {time.monotonic() - t0:.0f} s")
+        if len(self.results) < self.examples:
+            self.log(f"deadline: {len(self.results)} of {self.examples} examples run")
         if self.dist:
             exs = [
                 draw(self.seed, i, self.features, self.world)
@@ -54,10 +62,30 @@ class Campaign:
                 outs = run_dist(exs, Path(tmp), self.world)
             each = (time.monotonic() - t1) / max(1, len(exs))
             self.results += [Result(ex, o, each) for ex, o in zip(exs, outs)]
+            for r in self.results[-len(exs) :]:
+                self._record(r)
             self.log(
                 f"[{len(exs)} on {self.world} ranks, one launch] {_counts(self.results[-len(exs) :])}  {time.monotonic() - t1:.0f} s"
             )
         return self.results
+
+    def _record(self, r: Result) -> None:
+        if self.record is not None:
+            with open(self.record, "a") as f:
+                f.write(json.dumps(to_json(r)) + "\n")
+
+
+def to_json(r: Result) -> dict[str, Any]:
+    return {"example": r.ex.describe(), "outcome": dataclasses.asdict(r.outcome), "seconds": r.seconds}
+
+
+def from_json(d: dict[str, Any]) -> Result:
+    o = d["outcome"]
+    return Result(parse(d["example"]), Outcome(**{**o, "warnings": tuple(o["warnings"])}), d["seconds"])
+
+
+def read_record(path: Path) -> list[Result]:
+    return [from_json(json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
 
 
 def run_dist(exs: list[Example], tmp: Path, world: int) -> list[Outcome]:
@@ -78,7 +106,7 @@ def _init_worker() -> None:
     torch.set_num_threads(1)
 
 
-def _run_all(exs: list[Example], jobs: int) -> Iterator[Result]:
+def _run_all(exs: Iterable[Example], jobs: int) -> Iterator[Result]:
     if jobs <= 1:
         yield from map(_one, exs)
         return

@@ -114,7 +114,8 @@ class Baseline:
         self.ex = dataclasses.replace(ex, cuts=(), stages=None, limit=None, schedule="gpipe")
         self.b = build(self.ex, boundaries=False)
         self.module, self.params = self.b.module, self.b.params
-        self.piped = fpipe.pipeline(self.b.loss_fn, microbatches=ex.microbatches, schedule="gpipe")
+        kw = {"out_axes": out_axes(ex)} if "bn_train" in ex.layers else {}
+        self.piped = fpipe.pipeline(self.b.loss_fn, microbatches=ex.microbatches, schedule="gpipe", **kw)
         self.opt = torch.optim.SGD(list(self.params.values()), lr=LR, momentum=MOMENTUM)
 
     @property
@@ -182,15 +183,29 @@ def _short(t: torch.Tensor) -> str:
 def make_pipeline(ex: Example, b: Built, mesh: Any = None, limit: int | None = None) -> Any:
     """The example's pipeline; a limit is `limit` or `ex.limit` x the peak predicted without one."""
     kw: dict[str, Any] = dict(stages=ex.stages, microbatches=ex.microbatches, schedule=ex.schedule)
+    if "bn_train" in ex.layers:  # batch statistics: fpipe cannot read a reduction, so say it
+        kw["out_axes"] = out_axes(ex)
     if mesh is not None:
         kw["mesh"] = mesh
     if limit is not None:
         kw["memory_limit"] = limit
     elif ex.limit is not None:
         f = b.loss_fn if not b.has_aux else _loss_only(b.loss_fn)
-        peak = fpipe.pipeline(f, **kw).memory(b.params, b.x, b.y)
+        probe = {**kw, "out_axes": ex.loss} if "out_axes" in kw else kw
+        peak = fpipe.pipeline(f, **probe).memory(b.params, b.x, b.y)
         kw["memory_limit"] = max(1, int(ex.limit * peak))
     return fpipe.pipeline(b.loss_fn, **kw)
+
+
+def out_axes(ex: Example) -> Any:
+    """How each output combines over microbatches, as the reference combines it. Passed only
+    where the batch interacts (BatchNorm in training mode): there fpipe documents that it cannot
+    read a scalar's reduction and averages it (README, "The contract"); elsewhere it must read
+    each one itself."""
+    loss = ex.loss
+    if not ex.aux:
+        return loss
+    return (loss, {a: {"float_mean": "mean", "float_rows": 0, "int_count": "sum"}[a] for a in ex.aux})
 
 
 def _loss_only(f: Any) -> Any:

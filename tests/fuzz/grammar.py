@@ -120,7 +120,7 @@ def draw(seed: int, index: int, features: set[str], world: int = 1) -> Example:
         k for k, f in LAYERS.items() if (f is None or f in features) and not (world > 1 and k == "dropout")
     ]
     n_stages = rng.choice((pp, 2 * pp)) if world > 1 else None
-    n_layers = rng.randint(1, 4) if n_stages is None else rng.randint(max(1, n_stages - 1), 4)
+    n_layers = rng.randint(1, 3) if n_stages is None else rng.randint(max(1, n_stages - 1), 4)
     layers = tuple(rng.choice(kinds) for _ in range(n_layers))
     if n_stages is None:
         n_cuts = rng.randint(0, min(3, len(layers))) if "boundaries" in features else 0
@@ -141,7 +141,7 @@ def draw(seed: int, index: int, features: set[str], world: int = 1) -> Example:
         loss="sum" if "sum_loss" in features and rng.random() < 0.4 else "mean",
         aux=aux, grad_x="argnums_data" in features and rng.random() < 0.3,
         microbatches=rng.choice(ms), schedule="1f1b", stages=None,
-        limit=rng.choice(LIMIT_FRACTIONS) if "memory_limit" in features and rng.random() < 0.4 else None,
+        limit=rng.choice(LIMIT_FRACTIONS) if "memory_limit" in features and rng.random() < 0.3 else None,
         save_load="save_load" in features and rng.random() < 0.25, dp=dp, pp=pp,
     )  # fmt: skip
     if n_stages is not None and not cuts and n_stages > 1:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import re
 import tempfile
 import warnings
@@ -39,6 +40,7 @@ class Outcome:
     signature: str = ""  # what failed, without numbers or layer indices (groups failures)
     detail: str = ""  # the first mismatches or the error, with numbers
     warnings: tuple[str, ...] = ()
+    held: str = ""  # on a rank of a pipeline: JSON {buffer: equal to the reference here} (dist.py)
 
 
 # -- the reference --------------------------------------------------------------------------------
@@ -239,6 +241,8 @@ def steps(
     piped = make_pipeline(ex, b, mesh)
     xs, ys = (b.x.chunk(replicas)[rank[0]], b.y.chunk(replicas)[rank[0]]) if replicas > 1 else (b.x, b.y)
     params, opt, problems = b.params, None, []
+    initial = {k: v.clone() for k, v in b.module.named_buffers()}
+    held = set(initial)  # buffers equal to the reference after every step so far
     for step in (1, 2):
         try:
             value, grads = fpipe.value_and_grad(piped, b.argnums, b.has_aux)(params, xs, ys)
@@ -253,9 +257,8 @@ def steps(
             compare(
                 f"step{step}:loss", value[0] if isinstance(value, tuple) else value, want_value[0], problems
             )
-            compare(
-                f"step{step}:aux", value[1] if isinstance(value, tuple) else None, want_value[1], problems
-            )
+            want_aux = {k: _replica(v, rank[0], replicas) if v.dim() else v for k, v in want_value[1].items()}
+            compare(f"step{step}:aux", value[1] if isinstance(value, tuple) else None, want_aux, problems)
         else:
             compare(f"step{step}:loss", value, want_value, problems)
         got_g, want_g = _local(grads), _mine(want_grads, grads, rank[0], replicas)
@@ -264,8 +267,9 @@ def steps(
             compare(f"step{step}:grad_x", got_g[1], want_g[1], problems)
         else:
             compare(f"step{step}:grads", got_g, want_g, problems)
-        want_bufs = ref.buffers[rank[0]]
-        compare(f"step{step}:buffers", dict(b.module.named_buffers()), want_bufs, problems)
+        _compare_buffers(
+            f"step{step}:buffers", b.module, initial, ref.buffers[rank[0]], ex.pp > 1, held, problems
+        )
         pgrads = grads[0] if ex.grad_x else grads
         opt = opt or torch.optim.SGD([params[k] for k in _have(pgrads)], lr=LR, momentum=MOMENTUM)
         fpipe.set_grads(params, {k: pgrads[k] for k in _have(pgrads)})
@@ -279,7 +283,28 @@ def steps(
         {k: ref.params[k] for k in _have(pgrads)},
         problems,
     )
+    if ex.pp > 1:  # a buffer no rank updated is a failure too (dist.py checks over the ranks)
+        problems.append(("held:" + json.dumps({n: n in held for n in initial}), ""))
     return problems
+
+
+def _compare_buffers(
+    where: str, module: Any, initial: Any, want: Any, staged_elsewhere: bool, held: set[str], out: list
+) -> None:
+    """Each buffer against the reference; on ranks of a pipeline a buffer another rank's stage
+    updates stays as it was here (`held` keeps those equal to the reference)."""
+    for name, got in module.named_buffers():
+        mine: list[tuple[str, str]] = []
+        compare(f"{where}.{name}", got, want[name], mine)
+        if mine:
+            held.discard(name)
+            if not (staged_elsewhere and torch.equal(got, initial[name])):
+                out += mine
+
+
+def _replica(t: torch.Tensor, dp_rank: int, replicas: int) -> torch.Tensor:
+    """This replica's rows of a per-row output (each replica gets its own, as its data gradient)."""
+    return t.chunk(replicas)[dp_rank] if replicas > 1 else t
 
 
 def _have(grads: dict[str, Any]) -> list[str]:
@@ -330,8 +355,10 @@ def error_outcome(err: BaseException) -> Outcome:
 
 
 def problems_outcome(problems: list[tuple[str, str]]) -> Outcome:
+    held = [p for p, _ in problems if p.startswith("held:")]
+    problems = [(p, d) for p, d in problems if not p.startswith("held:")]
     if not problems:
-        return Outcome("ok")
+        return Outcome("ok", held=held[0][5:] if held else "")
     parts = sorted({coarse(p) for p, _ in problems})
     return Outcome("fail", " ".join(parts), "\n".join(d for _, d in problems[:12]))
 

@@ -56,6 +56,12 @@ def _read(path: Path) -> list[dict[str, Any]]:
 
 def _merge(per_rank: list[dict[str, Any]]) -> Outcome:
     failed = [(r, o) for r, o in enumerate(per_rank) if o["status"] == "fail"]
+    if not failed and all(o["held"] for o in per_rank):  # each buffer updated right on some rank
+        held = [json.loads(o["held"]) for o in per_rank]
+        lost = sorted(n for n in held[0] if not any(h[n] for h in held))
+        if lost:
+            detail = f"buffers equal to the reference on no rank (each rank left them as they were): {lost}"
+            return Outcome("fail", "buffers:updated on no rank", detail)
     warned = tuple(sorted({w for o in per_rank for w in o["warnings"]}))
     if not failed:
         status = "refused" if any(o["status"] == "refused" for o in per_rank) else "ok"

@@ -228,7 +228,15 @@ def run_example(ex: Example) -> Outcome:
             outcome = error_outcome(err)
         else:
             outcome = problems_outcome(problems)
-    return dataclasses.replace(outcome, warnings=tuple(sorted({warning_key(w.message) for w in caught})))
+    return with_warnings(outcome, [w.message for w in caught])
+
+
+def with_warnings(outcome: Outcome, messages: list[Any]) -> Outcome:
+    """The outcome with the warnings seen; a failure that fpipe warned about is marked
+    "[warned]" in its signature (a wrong result with a warning is not a silent one)."""
+    keys = tuple(sorted({warning_key(m) for m in messages}))
+    sig = outcome.signature + (" [warned]" if keys and outcome.status == "fail" else "")
+    return dataclasses.replace(outcome, signature=sig, warnings=keys)
 
 
 def steps(

@@ -15,7 +15,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from .check import Outcome, error_outcome, problems_outcome, steps, warning_key
+from .check import Outcome, error_outcome, problems_outcome, steps, with_warnings
 from .grammar import Example, parse
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -115,4 +115,4 @@ def _run_on_rank(ex: Example, ckpt: Path) -> Outcome:
             outcome = dataclasses.replace(
                 outcome, detail=outcome.detail + "\n" + traceback.format_exc()[-1500:]
             )
-    return dataclasses.replace(outcome, warnings=tuple(sorted({warning_key(w.message) for w in caught})))
+    return with_warnings(outcome, [w.message for w in caught])

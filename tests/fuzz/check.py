@@ -30,6 +30,7 @@ from .grammar import Built, Example, build, loss_function
 
 RTOL, ATOL = 1e-9, 1e-12  # float64: reorderings of the same sums stay near 1e-15 relative
 LR, MOMENTUM = 0.1, 0.9
+DIST_TIMEOUT_S = 60.0  # fpipe's peer timeout on ranks (its default is 300 s)
 
 
 @dataclasses.dataclass
@@ -187,8 +188,8 @@ def make_pipeline(ex: Example, b: Built, mesh: Any = None, limit: int | None = N
     kw: dict[str, Any] = dict(stages=ex.stages, microbatches=ex.microbatches, schedule=ex.schedule)
     if "bn_train" in ex.layers:  # batch statistics: fpipe cannot read a reduction, so say it
         kw["out_axes"] = out_axes(ex)
-    if mesh is not None:
-        kw["mesh"] = mesh
+    if mesh is not None or ex.pp * ex.dp > 1:  # on ranks: a failing example ends within a minute
+        kw.update(mesh=mesh, timeout=DIST_TIMEOUT_S)
     if limit is not None:
         kw["memory_limit"] = limit
     elif ex.limit is not None:
@@ -279,9 +280,10 @@ def steps(
             f"step{step}:buffers", b.module, initial, ref.buffers[rank[0]], ex.pp > 1, held, problems
         )
         pgrads = grads[0] if ex.grad_x else grads
-        opt = opt or torch.optim.SGD([params[k] for k in _have(pgrads)], lr=LR, momentum=MOMENTUM)
-        fpipe.set_grads(params, {k: pgrads[k] for k in _have(pgrads)})
-        opt.step()
+        if _have(pgrads):  # (a rank whose stages read no parameter has nothing to step)
+            opt = opt or torch.optim.SGD([params[k] for k in _have(pgrads)], lr=LR, momentum=MOMENTUM)
+            fpipe.set_grads(params, {k: pgrads[k] for k in _have(pgrads)})
+            opt.step()
         ref.update(want_grads[0] if ex.grad_x else want_grads)
         if step == 1 and ex.save_load:
             params, opt = _round_trip(tmp, params, opt, piped)
@@ -341,11 +343,16 @@ def _drop_none(grads: Any) -> Any:
 
 
 def _round_trip(tmp: Path, params: dict[str, torch.Tensor], opt: Any, piped: Any) -> tuple[Any, Any]:
-    """fpipe.save, then fpipe.load into fresh tensors and a fresh optimizer."""
+    """fpipe.save, then fpipe.load into fresh tensors and a fresh optimizer (on every rank, one
+    with no optimizer too: both are collective)."""
     fpipe.save(tmp / "ckpt", params, optimizer=opt, pipeline=piped)
     fresh = {k: torch.zeros_like(v) for k, v in params.items()}
-    mine = {id(p) for group in opt.param_groups for p in group["params"]}
-    opt2 = torch.optim.SGD([fresh[k] for k, v in params.items() if id(v) in mine], lr=LR, momentum=MOMENTUM)
+    opt2 = None
+    if opt is not None:
+        mine = {id(p) for group in opt.param_groups for p in group["params"]}
+        opt2 = torch.optim.SGD(
+            [fresh[k] for k, v in params.items() if id(v) in mine], lr=LR, momentum=MOMENTUM
+        )
     fpipe.load(tmp / "ckpt", fresh, optimizer=opt2, pipeline=piped)
     return fresh, opt2
 

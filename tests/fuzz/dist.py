@@ -83,7 +83,7 @@ def worker_main(argv: list[str]) -> None:
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=150))
     rank = dist.get_rank()
     out = Path(args.out)
     examples = [parse(line) for line in Path(args.examples).read_text().splitlines() if line.strip()]

@@ -120,7 +120,9 @@ def draw(seed: int, index: int, features: set[str], world: int = 1) -> Example:
         k for k, f in LAYERS.items() if (f is None or f in features) and not (world > 1 and k == "dropout")
     ]
     n_stages = rng.choice((pp, 2 * pp)) if world > 1 else None
-    n_layers = rng.randint(1, 3) if n_stages is None else rng.randint(max(1, n_stages - 1), 4)
+    n_layers = (
+        rng.randint(1, 3) if n_stages is None else rng.randint(max(1, n_stages - 1), max(4, n_stages - 1))
+    )
     layers = tuple(rng.choice(kinds) for _ in range(n_layers))
     if n_stages is None:
         n_cuts = rng.randint(0, min(3, len(layers))) if "boundaries" in features else 0

@@ -1,7 +1,7 @@
 """What a checkpoint costs a training loop (issue 13): `fpipe.save` against `fpipe.async_save`.
 
     python bench/checkpoint_cost.py
-    python bench/checkpoint_cost.py --dim 1024 --layers 8 --rounds 7 --every 4 --dir /tmp/ckpt-bench
+    python bench/checkpoint_cost.py --dim 1024 --layers 8 --rounds 7 --every 4 --io-rounds 5 --dir /tmp/ckpt-bench
 
 One process (the figures are about the loop, not the layout): an MLP of `--layers` layers
 `tanh(h @ w + b)` of width `--dim` (fp32), cut into 2 stages by `fpipe.stage_boundary`, 4
@@ -21,6 +21,12 @@ steps it slows, a residual wait) is charged to its own round. Printed: per mode,
 round time, the median over rounds of (its round - the round without a save): the step-time
 cost of one save, and the median time inside the save call (the loop blocked: for async, the
 staging copy).
+
+Then the cost per GiB of the three operations alone (issue 25: with the checksums written at save
+and verified at load), `--io-rounds` times each on the "sync" loop's checkpoint, the size the
+files take on disk: `fpipe.save` until published; `fpipe.async_save` until `.result()` returns
+(and its time in the call); `fpipe.load` of parameters and AdamW state into fresh tensors (every
+file read and checked). Printed: the median seconds, seconds per GiB and GiB per second.
 """
 
 from __future__ import annotations
@@ -98,6 +104,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--every", type=int, default=4, help="steps per round (one save each)")
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--io-rounds", type=int, default=5, help="rounds of save / async_save / load alone")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on a shared CPU)")
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     args = ap.parse_args()
@@ -126,8 +133,42 @@ def main() -> None:
         cost = statistics.median(a - b for a, b in zip(times[m], times["none"]))
         blocked = f"{statistics.median(loop.in_call) * 1e3:.0f}" if loop.in_call else "—"
         print(f"| {m} | {statistics.median(times[m]) * 1e3:.0f} | {cost * 1e3:.0f} | {blocked} |")
+    per_gib(loops[1], args.io_rounds)
     if args.dir is None:
         shutil.rmtree(root)
+
+
+def per_gib(loop: Loop, rounds: int) -> None:
+    """save, async_save and load alone, timed `rounds` times each, per GiB of files on disk."""
+    path = loop.out.with_name("ckpt-io")
+    target = {k: torch.empty_like(v) for k, v in loop.params.items()}
+    opt = torch.optim.AdamW(target.values(), lr=1e-3)
+    times: dict[str, list[float]] = {
+        "save": [],
+        "async_save (to .result())": [],
+        "async_save call": [],
+        "load": [],
+    }
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fpipe.save(path, loop.params, optimizer=loop.opt, extra={"step": loop.step})
+        t1 = time.perf_counter()
+        handle = fpipe.async_save(path, loop.params, optimizer=loop.opt, extra={"step": loop.step})
+        t2 = time.perf_counter()
+        handle.result()
+        t3 = time.perf_counter()
+        fpipe.load(path, target, optimizer=opt)
+        t4 = time.perf_counter()
+        for key, dt in zip(times, (t1 - t0, t3 - t1, t2 - t1, t4 - t3)):
+            times[key].append(dt)
+    gib = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**30
+    assert all(torch.equal(target[k], v) for k, v in loop.params.items())  # load read what was saved
+    print(f"\n{gib * 1024:.0f} MiB on disk; {rounds} rounds\n")
+    print("| operation | median (s) | s per GiB | GiB/s |")
+    print("|---|---|---|---|")
+    for key, ts in times.items():
+        med = statistics.median(ts)
+        print(f"| {key} | {med:.3f} | {med / gib:.2f} | {gib / med:.2f} |")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -35,6 +34,12 @@ def _tree(root: Path) -> dict[str, bytes | None]:
     }
 
 
+def _kept(*steps: int) -> list[str]:
+    """The names a manager leaves in its root for these steps: each step's folder and the lock
+    file `fpipe.save` takes beside it (NOTE [publishing a checkpoint])."""
+    return sorted(n for s in steps for n in (f"step_{s:08d}", f".step_{s:08d}.lock"))
+
+
 def test_saves_every_n_steps_into_step_folders_and_keeps_the_last_k(tmp_path):
     mgr = fpipe.CheckpointManager(tmp_path, keep=2, every=3, async_=False)
     params = _params()
@@ -45,7 +50,7 @@ def test_saves_every_n_steps_into_step_folders_and_keeps_the_last_k(tmp_path):
             saved.append(step)
     assert saved == [3, 6, 9]
     assert mgr.all_steps() == [6, 9] and mgr.latest() == 9
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000006", "step_00000009"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == _kept(6, 9)
     assert mgr.save(10, params, extra={"step": 10}, force=True)  # forced: off the interval
     assert mgr.all_steps() == [9, 10]
     mine = _params(-1.0)
@@ -77,7 +82,7 @@ def test_files_and_folders_it_did_not_write_are_never_touched_nor_taken_for_step
     after = _tree(tmp_path)
     assert {k: v for k, v in after.items() if k in before} == before  # all still there, unchanged
     new = set(after) - set(before)  # and nothing else beside the one kept step
-    assert "step_00000005" in new and all(k.split("/")[0] == "step_00000005" for k in new), sorted(new)
+    assert {k.split("/")[0] for k in new} == set(_kept(5)), sorted(new)
 
 
 def test_a_deletion_interrupted_by_a_crash_is_finished_and_never_a_step(tmp_path):
@@ -86,66 +91,58 @@ def test_a_deletion_interrupted_by_a_crash_is_finished_and_never_a_step(tmp_path
     (tmp_path / "step_00000001").rename(tmp_path / ".step_00000001.deleting")  # as a crash leaves it
     assert mgr.all_steps() == []
     mgr.save(2, _params(2))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == _kept(2)
 
 
 KILLED = textwrap.dedent(
     """
-    import sys, time, torch, fpipe
-    import torch.distributed.checkpoint.filesystem as fs
-    root, marker = sys.argv[1], sys.argv[2]
-    mgr = fpipe.CheckpointManager(root, keep=2, every=10, async_=True)
+    import os, sys, torch, fpipe
+    mgr = fpipe.CheckpointManager(sys.argv[1], keep=2, every=10, async_=True)
     params = {"w": torch.zeros(64, 64, dtype=torch.float64)}
-    for step in (10, 20):
+    for step in (10, 20, 30):
+        if step == 30:  # step 30's files and manifest are written; SIGKILL before it is published
+            mgr.wait()  # (step 20's save, in the background, is published first)
+            os.environ["FPIPE_CHECKPOINT_KILL_AT"] = "publish"
         params["w"].fill_(step)
         mgr.save(step, params, extra={"step": step})
-    mgr.wait()
-    real = fs._write_item
-    def stalled(*args, **kwargs):  # the first tensor of step 30 half-written, then it hangs
-        out = real(*args, **kwargs)
-        args[1].flush()
-        open(marker, "w").close()
-        time.sleep(60)
-        return out
-    fs._write_item = stalled
-    params["w"].fill_(30)
-    mgr.save(30, params, extra={"step": 30})
     mgr.wait()
     """
 )
 
 
-def test_latest_after_a_save_killed_mid_write_is_the_last_complete_step(tmp_path):
-    root, marker = tmp_path / "run", tmp_path / "writing"
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(
-            [str(Path(fpipe.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]
-        ),
-    }
-    proc = subprocess.Popen([sys.executable, "-c", KILLED, str(root), str(marker)], env=env)
-    try:
-        end = time.monotonic() + 60
-        while not marker.exists() and proc.poll() is None and time.monotonic() < end:
-            time.sleep(0.02)
-        assert marker.exists(), f"the child never reached the save of step 30 (rc={proc.poll()})"
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+def test_latest_after_a_save_killed_before_its_publish_is_the_last_complete_step(tmp_path):
+    root = tmp_path / "run"
+    path = os.pathsep.join([str(Path(fpipe.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-c", KILLED, str(root)], env={**os.environ, "PYTHONPATH": path}, timeout=120
+    )
+    assert done.returncode == -signal.SIGKILL
+    assert (root / ".step_00000030.saving" / "fpipe.json").is_file()  # complete, but never published
     mgr = fpipe.CheckpointManager(root, keep=2, every=10)
     assert mgr.all_steps() == [10, 20] and mgr.latest() == 20
     mine = {"w": torch.zeros(64, 64, dtype=DT)}
-    assert mgr.restore(mine) == (20, {"step": 20}) and torch.equal(
-        mine["w"], torch.full((64, 64), 20.0, dtype=DT)
-    )
-    mine["w"].fill_(30)
+    assert mgr.restore(mine) == (20, {"step": 20})
+    assert torch.equal(mine["w"], torch.full((64, 64), 20.0, dtype=DT))
+    mine["w"].fill_(31)
     mgr.save(30, mine, extra={"step": 30})  # the resumed run saves step 30 again, and prunes
     mgr.wait()
-    assert mgr.all_steps() == [20, 30]
-    assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == [
-        "step_00000020",
-        "step_00000030",
-    ]
+    assert mgr.all_steps() == [20, 30] and sorted(p.name for p in root.iterdir()) == _kept(20, 30)
+    assert mgr.restore(mine) == (30, {"step": 30}) and torch.equal(
+        mine["w"], torch.full((64, 64), 31.0, dtype=DT)
+    )
+
+
+def test_a_killed_save_of_an_older_step_is_cleared_by_the_next_prune(tmp_path):
+    mgr = fpipe.CheckpointManager(tmp_path, keep=1, every=1, async_=False)
+    mgr.save(1, _params(1))
+    scratch = tmp_path / ".step_00000002.saving"  # as a save of step 2 killed mid-write leaves it
+    scratch.mkdir()
+    (scratch / ".fpipe-saving").write_text("a checkpoint being written by fpipe.save\n")
+    (scratch / "rank0.safetensors").write_bytes(b"half")
+    foreign = tmp_path / ".step_00000002.saving.bak"
+    foreign.write_text("mine")
+    mgr.save(3, _params(3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*_kept(3), foreign.name])
 
 
 def test_async_saves_the_values_of_the_call_and_prunes_once_published(tmp_path):
@@ -161,22 +158,26 @@ def test_async_saves_the_values_of_the_call_and_prunes_once_published(tmp_path):
     assert mgr.restore(mine) == (2, {"step": 2}) and torch.equal(mine["w"], values[2])
 
 
-def test_an_async_failure_is_raised_by_the_next_save_or_wait(tmp_path, monkeypatch):
-    import torch.distributed.checkpoint.filesystem as fs
+def test_an_async_failure_is_raised_by_the_next_save_or_wait_and_is_no_step(tmp_path, monkeypatch):
+    from fpipe._src import checkpoint_format
 
     mgr = fpipe.CheckpointManager(tmp_path, keep=2, every=1, async_=True)
     mgr.save(1, _params(1))
     mgr.wait()
 
-    def broken(*args, **kwargs):
+    def full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(fs, "_write_item", broken)
-    mgr.save(2, _params(2))
-    with pytest.raises(BaseException, match="No space left on device"):
-        mgr.wait()
+    monkeypatch.setattr(checkpoint_format, "write_safetensors", full)
+    assert mgr.save(2, _params(2))  # returns once staged; the writing fails in the background
+    with pytest.raises(
+        fpipe.CheckpointError, match=r"async_save\('.*step_00000002', params\): the disk is full"
+    ):
+        mgr.save(3, _params(3))  # the next save raises the earlier one's failure, and saves nothing
     monkeypatch.undo()
-    assert mgr.all_steps() == [1]  # the failed step never became a step folder
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert mgr.all_steps() == [1] and left == sorted([*_kept(1), ".step_00000002.lock"])
+    assert mgr.save(4, _params(4)) and mgr.wait() is None and mgr.all_steps() == [1, 4]
 
 
 @pytest.mark.parametrize(
@@ -222,3 +223,12 @@ def test_restore_without_a_checkpoint_or_of_a_missing_step_is_named(tmp_path):
         FileNotFoundError, match=r"no complete checkpoint of step 3 in .*; it has steps \[2\]"
     ):
         mgr.restore(_params(), step=3)
+
+
+def test_a_step_folder_it_did_not_write_is_refused_not_replaced(tmp_path):
+    (tmp_path / "step_00000001").mkdir()
+    (tmp_path / "step_00000001" / "notes.txt").write_text("mine")
+    mgr = fpipe.CheckpointManager(tmp_path, every=1, async_=False)
+    with pytest.raises(ValueError, match=r"step_00000001 is a directory that is not an fpipe checkpoint"):
+        mgr.save(1, _params(1))
+    assert (tmp_path / "step_00000001" / "notes.txt").read_text() == "mine" and mgr.all_steps() == []

@@ -16,7 +16,7 @@ checks it sees that step too (`root` must be on a filesystem every rank sees).
 
 from __future__ import annotations
 
-import json
+import contextlib
 import re
 import shutil
 from pathlib import Path
@@ -47,13 +47,7 @@ def _rank0() -> bool:
 
 def _is_checkpoint(folder: Path) -> bool:
     """A real folder (not a link) holding an fpipe manifest: a checkpoint fpipe published."""
-    manifest = folder / files.MANIFEST
-    if folder.is_symlink() or not folder.is_dir() or not manifest.is_file():
-        return False
-    try:
-        return str(json.loads(manifest.read_text()).get("format", "")).startswith("fpipe-checkpoint")
-    except (OSError, ValueError, AttributeError):
-        return False
+    return not folder.is_symlink() and folder.is_dir() and files.manifest_of(folder) is not None
 
 
 class CheckpointManager:
@@ -126,14 +120,15 @@ class CheckpointManager:
 
     # -- saving ---------------------------------------------------------------------------------
     def save(
-        self, step: int, params: dict[str, torch.Tensor], *, optimizer: Any = None, extra: Any = None,
-        force: bool = False,
+        self, step: int, params: dict[str, torch.Tensor], *, optimizer: Any = None, buffers: Any = None,
+        extra: Any = None, force: bool = False,
     ) -> bool:  # fmt: skip
         """Save step `step` if `step % every == 0` or `force`; True when it saved (or started to).
 
-        Collective in a process group, like `fpipe.save`: every rank calls it at every step. The
-        previous save (when `async_`) is waited for first, and its failure raised here. Steps
-        must increase: a step at or below the newest saved one is refused.
+        Collective in a process group, like `fpipe.save`: every rank calls it at every step.
+        `optimizer`, `buffers` and `extra` (each rank's own) as for `fpipe.save`. The previous
+        save (when `async_`) is waited for first, and its failure raised here. Steps must
+        increase: a step at or below the newest saved one is refused.
         """
         call = f"CheckpointManager.save({step!r}, params)"
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -146,7 +141,7 @@ class CheckpointManager:
                 f"{call}: step {self._last} is already saved in {self.root}; steps must increase "
                 "(restore the latest step and go on from there, or use another root)."
             )
-        kw = {"optimizer": optimizer, "extra": extra, "pipeline": self.pipeline}
+        kw = {"optimizer": optimizer, "buffers": buffers, "extra": extra, "pipeline": self.pipeline}
         if self.async_:
             self._pending = async_save(self.step_dir(step), params, **kw)
         else:
@@ -178,18 +173,47 @@ class CheckpointManager:
         for old in self.root.glob(".step_*.deleting"):  # a deletion a crash interrupted
             if _STEP.fullmatch(old.name[1 : -len(".deleting")]) and not old.is_symlink():
                 shutil.rmtree(old, ignore_errors=True)
-        for step in self.all_steps()[: -self.keep]:
+        steps = self.all_steps()
+        for step in steps[: -self.keep]:
             folder = self.step_dir(step)
             gone = folder.with_name(f".{folder.name}.deleting")
             folder.rename(gone)
             shutil.rmtree(gone)
+        for step in self._older_leftovers(steps[-self.keep :]):
+            self._clear_leftovers(step)
+
+    def _older_leftovers(self, kept: list[int]) -> list[int]:
+        """Steps older than the oldest kept one with fpipe's scratch or lock files beside them."""
+        found = set()
+        for p in self.root.glob(".step_*"):
+            m = re.fullmatch(r"\.(step_\d{8,})\.(saving|lock)", p.name)
+            if m and kept and int(m.group(1)[5:]) < kept[0]:
+                found.add(int(m.group(1)[5:]))
+        return sorted(found)
+
+    def _clear_leftovers(self, step: int) -> None:
+        """A killed save's scratch folder (fpipe's, unlocked: no save of it runs) and its lock."""
+        folder = self.step_dir(step)
+        try:
+            fd = files.lock(repr(self), folder)
+        except files.CheckpointError:  # a save of that step runs (another job): leave it
+            return
+        try:
+            scratch = files.saving_dir(folder)
+            if files.saving_dir(folder).exists() and files._ours(scratch):
+                shutil.rmtree(scratch)
+            with contextlib.suppress(FileNotFoundError):
+                folder.with_name(f".{folder.name}.lock").unlink()
+        finally:
+            files.unlock(fd)
 
     # -- restoring ------------------------------------------------------------------------------
     def restore(
-        self, params: dict[str, torch.Tensor], *, optimizer: Any = None, step: int | None = None
-    ) -> Restored:
-        """Load step `step` (default: the latest) into `params` (and `optimizer`) in place, as
-        `fpipe.load` does; return the step and its `extra`.
+        self, params: dict[str, torch.Tensor], *, optimizer: Any = None, buffers: Any = None,
+        step: int | None = None,
+    ) -> Restored:  # fmt: skip
+        """Load step `step` (default: the latest) into `params` (and `optimizer`, the buffers, the
+        pipeline's step) in place, as `fpipe.load` does; return the step and this rank's `extra`.
 
         Raises:
             FileNotFoundError: no complete checkpoint under `root` (check `latest()` first), or
@@ -205,7 +229,9 @@ class CheckpointManager:
             raise FileNotFoundError(
                 f"{call}: no complete checkpoint of step {chosen} in {self.root}; it has steps {steps}."
             )
-        extra = load(self.step_dir(chosen), params, optimizer=optimizer, pipeline=self.pipeline)
+        extra = load(
+            self.step_dir(chosen), params, optimizer=optimizer, buffers=buffers, pipeline=self.pipeline
+        )
         self._last = max(steps)
         return Restored(chosen, extra)
 

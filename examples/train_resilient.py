@@ -93,8 +93,9 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)  # mid-step: the optimizer has not stepped
         fpipe.set_grads(params, grads)
         opt.step()
+        batches = gen.get_state()  # where the batch of step i + 1 is drawn from
         x, y = get_batch(data, args, gen, torch.device("cpu"))
-        mgr.save(i, params, optimizer=opt, extra={"batches": gen.get_state()}, force=i == args.steps)
+        mgr.save(i, params, optimizer=opt, extra={"batches": batches}, force=i == args.steps)
         if rank == 0 and args.loss_log:
             with open(args.loss_log, "a") as f:
                 f.write(json.dumps({"step": i, "loss": loss.item(), "attempt": attempt}) + "\n")

@@ -24,9 +24,11 @@ staging copy).
 
 Then the cost per GiB of the three operations alone (issue 25: with the checksums written at save
 and verified at load), `--io-rounds` times each on the "sync" loop's checkpoint, the size the
-files take on disk: `fpipe.save` until published; `fpipe.async_save` until `.result()` returns
-(and its time in the call); `fpipe.load` of parameters and AdamW state into fresh tensors (every
-file read and checked). Printed: the median seconds, seconds per GiB and GiB per second.
+files take on disk: `fpipe.save` until published; `fpipe.async_save`'s call, then its
+`.result()` (the wait until it is published); `fpipe.load` of parameters and AdamW state into fresh tensors (every
+file read and checked); and the SHA-256 of every file alone (what a save computes and a load
+verifies). Printed: median wall seconds, and wall and CPU seconds (the process's, all threads)
+per GiB.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 import fpipe
+from fpipe._src.checkpoint_format import sha256_file
 
 
 def mlp(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, layers: int) -> torch.Tensor:
@@ -139,36 +142,33 @@ def main() -> None:
 
 
 def per_gib(loop: Loop, rounds: int) -> None:
-    """save, async_save and load alone, timed `rounds` times each, per GiB of files on disk."""
+    """save, async_save and load alone, timed `rounds` times each, per GiB of files on disk:
+    wall time and this process's CPU time (all its threads; on a shared machine the steadier)."""
     path = loop.out.with_name("ckpt-io")
     target = {k: torch.empty_like(v) for k, v in loop.params.items()}
     opt = torch.optim.AdamW(target.values(), lr=1e-3)
-    times: dict[str, list[float]] = {
-        "save": [],
-        "async_save (to .result())": [],
-        "async_save call": [],
-        "load": [],
+    kw = {"optimizer": loop.opt, "extra": {"step": loop.step}}
+    ops: dict[str, Any] = {
+        "save": lambda: fpipe.save(path, loop.params, **kw),
+        "async_save call": lambda: ops.__setitem__("handle", fpipe.async_save(path, loop.params, **kw)),
+        "async_save's .result()": lambda: ops.pop("handle").result(),
+        "load": lambda: fpipe.load(path, target, optimizer=opt),
+        "SHA-256 of the files alone": lambda: [sha256_file(f) for f in sorted(path.iterdir())],
     }
+    times: dict[str, list[tuple[float, float]]] = {k: [] for k in ops}
     for _ in range(rounds):
-        t0 = time.perf_counter()
-        fpipe.save(path, loop.params, optimizer=loop.opt, extra={"step": loop.step})
-        t1 = time.perf_counter()
-        handle = fpipe.async_save(path, loop.params, optimizer=loop.opt, extra={"step": loop.step})
-        t2 = time.perf_counter()
-        handle.result()
-        t3 = time.perf_counter()
-        fpipe.load(path, target, optimizer=opt)
-        t4 = time.perf_counter()
-        for key, dt in zip(times, (t1 - t0, t3 - t1, t2 - t1, t4 - t3)):
-            times[key].append(dt)
+        for key in times:
+            w, c = time.perf_counter(), time.process_time()
+            ops[key]()
+            times[key].append((time.perf_counter() - w, time.process_time() - c))
     gib = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**30
     assert all(torch.equal(target[k], v) for k, v in loop.params.items())  # load read what was saved
-    print(f"\n{gib * 1024:.0f} MiB on disk; {rounds} rounds\n")
-    print("| operation | median (s) | s per GiB | GiB/s |")
+    print(f"\n{gib * 1024:.0f} MiB on disk; {rounds} rounds; medians\n")
+    print("| operation | wall (s) | wall s per GiB | CPU s per GiB |")
     print("|---|---|---|---|")
     for key, ts in times.items():
-        med = statistics.median(ts)
-        print(f"| {key} | {med:.3f} | {med / gib:.2f} | {gib / med:.2f} |")
+        wall, cpu = statistics.median(t[0] for t in ts), statistics.median(t[1] for t in ts)
+        print(f"| {key} | {wall:.3f} | {wall / gib:.2f} | {cpu / gib:.2f} |")
 
 
 if __name__ == "__main__":

@@ -290,6 +290,7 @@ def _draws(pipeline: Pipelined) -> bool:
 def _begin(call: str, path: Path) -> tuple[int | None, BaseException | None]:
     lock = None
     try:
+        files.refuse_foreign(call, path)  # before the lock file is made beside it
         lock = files.lock(call, path)
         files.begin(call, path)
         return lock, None

@@ -54,9 +54,11 @@ class CheckpointError(RuntimeError):
 
 def phase(name: str) -> None:
     """Test-only hook (tests/test_checkpoint_crash.py): FPIPE_CHECKPOINT_KILL_AT=name kills
-    this process with SIGKILL when a save reaches the phase `name`."""
-    if os.environ.get(KILL_AT) == name:
-        os.kill(os.getpid(), signal.SIGKILL)
+    this process with SIGKILL when a save reaches the phase `name` ("written", "manifest",
+    "publish", "exchanged", "between_renames"); `name:stop` stops it (SIGSTOP) there instead."""
+    at, _, action = os.environ.get(KILL_AT, "").partition(":")
+    if at == name:
+        os.kill(os.getpid(), signal.SIGSTOP if action == "stop" else signal.SIGKILL)
 
 
 def saving_dir(path: Path) -> Path:

@@ -179,7 +179,7 @@ def check_earlier(call: str) -> None:
             _forget(h)
         if err is not None:
             raise CheckpointError(
-                f"{call}: not run, because an earlier {h.call} failed: {err} Check the disk and save again."
+                f"{call}: not run, because an earlier {h.call} failed (said once): {err}"
             ) from err
 
 

@@ -1,7 +1,7 @@
 """What a checkpoint costs a training loop (issue 13): `fpipe.save` against `fpipe.async_save`.
 
     python bench/checkpoint_cost.py
-    python bench/checkpoint_cost.py --dim 1024 --layers 8 --rounds 7 --every 4 --dir /tmp/ckpt-bench
+    python bench/checkpoint_cost.py --dim 1024 --layers 8 --rounds 7 --every 4 --io-rounds 5 --dir /tmp/ckpt-bench
 
 One process (the figures are about the loop, not the layout): an MLP of `--layers` layers
 `tanh(h @ w + b)` of width `--dim` (fp32), cut into 2 stages by `fpipe.stage_boundary`, 4
@@ -21,6 +21,14 @@ steps it slows, a residual wait) is charged to its own round. Printed: per mode,
 round time, the median over rounds of (its round - the round without a save): the step-time
 cost of one save, and the median time inside the save call (the loop blocked: for async, the
 staging copy).
+
+Then the cost per GiB of the three operations alone (issue 25: with the checksums written at save
+and verified at load), `--io-rounds` times each on the "sync" loop's checkpoint, the size the
+files take on disk: `fpipe.save` until published; `fpipe.async_save`'s call, then its
+`.result()` (the wait until it is published); `fpipe.load` of parameters and AdamW state into fresh tensors (every
+file read and checked); and the SHA-256 of every file alone (what a save computes and a load
+verifies). Printed: median wall seconds, and wall and CPU seconds (the process's, all threads)
+per GiB.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 import fpipe
+from fpipe._src.checkpoint_format import sha256_file
 
 
 def mlp(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, layers: int) -> torch.Tensor:
@@ -98,6 +107,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--every", type=int, default=4, help="steps per round (one save each)")
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--io-rounds", type=int, default=5, help="rounds of save / async_save / load alone")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on a shared CPU)")
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     args = ap.parse_args()
@@ -126,8 +136,39 @@ def main() -> None:
         cost = statistics.median(a - b for a, b in zip(times[m], times["none"]))
         blocked = f"{statistics.median(loop.in_call) * 1e3:.0f}" if loop.in_call else "—"
         print(f"| {m} | {statistics.median(times[m]) * 1e3:.0f} | {cost * 1e3:.0f} | {blocked} |")
+    per_gib(loops[1], args.io_rounds)
     if args.dir is None:
         shutil.rmtree(root)
+
+
+def per_gib(loop: Loop, rounds: int) -> None:
+    """save, async_save and load alone, timed `rounds` times each, per GiB of files on disk:
+    wall time and this process's CPU time (all its threads; on a shared machine the steadier)."""
+    path = loop.out.with_name("ckpt-io")
+    target = {k: torch.empty_like(v) for k, v in loop.params.items()}
+    opt = torch.optim.AdamW(target.values(), lr=1e-3)
+    kw = {"optimizer": loop.opt, "extra": {"step": loop.step}}
+    ops: dict[str, Any] = {
+        "save": lambda: fpipe.save(path, loop.params, **kw),
+        "async_save call": lambda: ops.__setitem__("handle", fpipe.async_save(path, loop.params, **kw)),
+        "async_save's .result()": lambda: ops.pop("handle").result(),
+        "load": lambda: fpipe.load(path, target, optimizer=opt),
+        "SHA-256 of the files alone": lambda: [sha256_file(f) for f in sorted(path.iterdir())],
+    }
+    times: dict[str, list[tuple[float, float]]] = {k: [] for k in ops}
+    for _ in range(rounds):
+        for key in times:
+            w, c = time.perf_counter(), time.process_time()
+            ops[key]()
+            times[key].append((time.perf_counter() - w, time.process_time() - c))
+    gib = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**30
+    assert all(torch.equal(target[k], v) for k, v in loop.params.items())  # load read what was saved
+    print(f"\n{gib * 1024:.0f} MiB on disk; {rounds} rounds; medians\n")
+    print("| operation | wall (s) | wall s per GiB | CPU s per GiB |")
+    print("|---|---|---|---|")
+    for key, ts in times.items():
+        wall, cpu = statistics.median(t[0] for t in ts), statistics.median(t[1] for t in ts)
+        print(f"| {key} | {wall:.3f} | {wall / gib:.2f} | {cpu / gib:.2f} |")
 
 
 if __name__ == "__main__":

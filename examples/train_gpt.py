@@ -51,9 +51,9 @@ class Embedding(nn.Embedding):
 
 
 class Block(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
+    def __init__(self, d: int, heads: int, dropout: float = 0.0) -> None:
         super().__init__()
-        self.heads = heads
+        self.heads, self.dropout = heads, dropout
         self.ln1, self.attn, self.proj = nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.Linear(d, d)
         self.ln2, self.fc, self.out = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
 
@@ -64,15 +64,18 @@ class Block(nn.Module):
         qkv = self.attn(self.ln1(x)).view(b, t, -1, 3, d // self.heads)
         q, k, v = qkv.permute(3, 0, 2, 1, 4)  # each (b, heads, t, d_head)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, -1))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+        x = x + self.drop(self.proj(a.transpose(1, 2).reshape(b, t, -1)))
+        return x + self.drop(self.out(F.gelu(self.fc(self.ln2(x)))))
+
+    def drop(self, x: torch.Tensor) -> torch.Tensor:  # (fpipe seeds the masks: NOTE [random-number policy])
+        return F.dropout(x, self.dropout, self.training) if self.dropout else x
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab: int, seq: int, d: int, layers: int, heads: int) -> None:
+    def __init__(self, vocab: int, seq: int, d: int, layers: int, heads: int, dropout: float = 0.0) -> None:
         super().__init__()
         self.tok, self.pos = Embedding(vocab, d), Embedding(seq, d)
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(d, heads, dropout) for _ in range(layers))
         self.ln = nn.LayerNorm(d)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

@@ -8,9 +8,13 @@ from ._src.api import Pipelined as Pipelined
 from ._src.api import pipeline as pipeline
 from ._src.autodiff import grad as grad
 from ._src.autodiff import value_and_grad as value_and_grad
+from ._src.checkpoint import AsyncCheckpoint as AsyncCheckpoint
 from ._src.checkpoint import async_save as async_save
 from ._src.checkpoint import save as save
+from ._src.checkpoint_files import CheckpointError as CheckpointError
 from ._src.checkpoint_load import load as load
+from ._src.checkpoint_manager import CheckpointManager as CheckpointManager
+from ._src.checkpoint_manager import Restored as Restored
 from ._src.functionalize import functionalize as functionalize
 from ._src.generate import generate as generate
 from ._src.marker import stage_boundary as stage_boundary

@@ -11,7 +11,9 @@ half the batch; once more with the parameters sharded as DTensors), trains 3 mor
 compares with an uninterrupted 6-step run in one process (`reference`); the dp=2 x pp=2 runs
 save their 6-step state (`DIR/ckpt6`, `DIR/ckpt6_sharded`); then it loads a GPT-2
 `save_pretrained` directory into a meta GPT-2 cut in 4 stages. Each rank writes
-`DIR/PHASE.rank{R}.json`; a case that raises is recorded, and the next runs.
+`DIR/PHASE.rank{R}.json`; a case that raises is recorded, and the next runs. "save" ends with
+ConvBN in 4 stages (its BatchNorm buffers on both ranks) `async_save`d to `DIR/bn` with each
+rank's own `extra`, and `dist.destroy_process_group()` right after it, not waiting.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from models import TiedLM, lm_loss
+from models import ConvBN, TiedLM, lm_loss
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
@@ -99,6 +101,29 @@ def save_phase(out: str) -> dict[str, Any]:
     bad = {"module": torch.nn.Linear(1, 1)} if dist.get_rank() == 1 else {}  # not weights_only-loadable
     rec["one_rank_refuses"] = _error(lambda: fpipe.save(f"{out}/bad", params, extra=bad, pipeline=piped))
     return rec
+
+
+def bn_state(out: str) -> Any:
+    """ConvBN in 4 stages on 2 ranks (bn1 in stage 0, bn2 in stage 1), 2 steps, then `async_save` with this
+    rank's own extra, left running: `main` destroys the process group right after."""
+    torch.manual_seed(0)
+    model = ConvBN(stages=4).to(DT)
+    fn, params = fpipe.functionalize(model)
+    piped = fpipe.pipeline(
+        lambda p, x, y: torch.nn.functional.cross_entropy(fn(p, x), y),
+        microbatches=M, schedule="interleaved-1f1b", timeout=60,
+    )  # fmt: skip
+    opt = torch.optim.SGD(params.values(), lr=LR)
+    for s in range(2):
+        g = torch.Generator().manual_seed(s)
+        x, y = torch.randn(4, 3, 5, 5, generator=g, dtype=DT), torch.randint(0, 3, (4,), generator=g)
+        _, grads = fpipe.value_and_grad(piped)(params, x, y)
+        fpipe.set_grads(params, grads)
+        opt.step()
+    mine = [bn for bn in ("bn1", "bn2") if model.get_buffer(f"{bn}.num_batches_tracked") > 0]
+    bufs = {n: b.tolist() for n, b in model.named_buffers() if n.split(".")[0] in mine}  # updated here
+    handle = fpipe.async_save(f"{out}/bn", params, extra={"pos": 1000 + dist.get_rank()}, pipeline=piped)
+    return handle, {"buffers": bufs}
 
 
 def resume(
@@ -181,6 +206,7 @@ def main() -> None:
     rec: dict[str, Any] = {"rank": dist.get_rank()}
     if phase == "save":
         _case(rec, "save", lambda: save_phase(out))
+        _case(rec, "bn", lambda: bn_state(out)[1])  # not waited for: destroy_process_group follows
     else:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
         _case(rec, "pp4", lambda: resume(f"{out}/ckpt", 4))

@@ -106,10 +106,14 @@ def kill(procs: list[Proc]) -> None:
 
 
 def torchrun_cmd(
-    script: str, nproc: int, *args: str, nnodes: int = 1, node_rank: int = 0, port: int | None = None
-) -> list[str]:
-    """A torchrun command line: standalone for one node, c10d rendezvous on loopback for several."""
+    script: str, nproc: int, *args: str, nnodes: int = 1, node_rank: int = 0, port: int | None = None,
+    max_restarts: int = 0,
+) -> list[str]:  # fmt: skip
+    """A torchrun command line: standalone for one node, c10d rendezvous on loopback for several;
+    with `max_restarts`, torchrun starts the whole job again after a rank fails (that often)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+    if max_restarts:
+        cmd += ["--max-restarts", str(max_restarts)]
     if nnodes == 1 and port is None:
         cmd.append("--standalone")
     else:

@@ -1,59 +1,60 @@
-"""Checkpoints keyed by the parameters' global names, on torch.distributed.checkpoint (DCP).
+"""Checkpoints keyed by the parameters' global names: what each rank writes (`save`, `async_save`).
 
 # NOTE [checkpoints move between layouts]
-A checkpoint holds every parameter once, under its name in the params dict, and the optimizer's
-state under the same names (`optim/state/NAME/KEY` for a tensor, `optim/group/NAME` for the
-group's hyperparameters and any non-tensor state), so nothing in it depends on how the run that
-wrote it was cut. At save, each rank hands DCP only what it owns: a parameter (and its state) is
-written by the lowest pipeline rank that uses it (`Pipelined.param_owner`: a tied parameter
-once), by data-parallel replica 0 alone unless it is a DTensor, whose shards every replica
-writes. At load, each rank builds its own read plan (`no_dist`: no collective) for the
-parameters its stages read, in the current run's layout (DTensor shards included), and DCP copies
-in place what the checkpoint holds in whatever pieces it was written. Everything is checked
-before a byte is read (NOTE [publishing a checkpoint] in checkpoint_files.py).
+A checkpoint holds every parameter once, under its name in the params dict, the optimizer's
+state under the same names (each state tensor, and the group's hyperparameters and any
+non-tensor state as data), the module's persistent buffers under their names (BatchNorm's
+running statistics, `num_batches_tracked`), so nothing in it depends on how the run that wrote
+it was cut. At save, each rank writes only what it owns: a parameter (and its state) by the
+lowest pipeline rank that uses it (`Pipelined.param_owner`: a tied parameter once), a buffer by
+the lowest pipeline rank whose stages read it (the one that updates it), by data-parallel
+replica 0 alone unless it is a DTensor, whose shard each replica writes with its offset. At load
+each rank reads, in the current run's layout, the pieces that overlap what it holds (a DTensor:
+its own shard). Besides: the pipeline's step, which seeds its random operations (NOTE
+[random-number policy]: dropout resumes bit-identically), and each rank's own `extra`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import warnings
-from collections.abc import Iterator
-from concurrent.futures import Future
+import os
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from . import checkpoint_files as files
+from . import checkpoint_format as fmt
 from .api import Pipelined
+from .checkpoint_files import CheckpointError
+from .checkpoint_job import AsyncCheckpoint, Job, wait_earlier
+from .functionalize import Functionalized
+from .rng import seeded
 
-__all__ = ["save", "async_save", "AsyncCheckpoint"]
+__all__ = ["save", "async_save", "AsyncCheckpoint", "persistent_buffers"]
 
-STATE, GROUP = "optim/state/", "optim/group/"
 _GROUPS: dict[int, Any] = {}  # the default group's id -> the gloo group checkpoints use
-_pending: list[AsyncCheckpoint] = []  # this process's async save in flight (at most one)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Layout:
-    """Who this rank is in the run, and the owner (lowest pipeline rank) of each parameter."""
+    """Who this rank is in the run, and the owner (lowest pipeline rank) of each tensor."""
 
     distributed: bool
     pp_rank: int = 0
     dp_rank: int = 0
     owner: dict[str, int] = dataclasses.field(default_factory=dict)
+    buffer_owner: dict[int, int] = dataclasses.field(default_factory=dict)  # id(buffer) -> rank
 
-    def writes(self, name: str, value: Any) -> bool:
+    def writes(self, owner: int, value: Any) -> bool:
         if isinstance(value, torch.Tensor) and value.is_meta:
             return False
-        if self.owner.get(name, 0) != self.pp_rank:
-            return False
-        return isinstance(value, DTensor) or self.dp_rank == 0
+        return owner == self.pp_rank and (isinstance(value, DTensor) or self.dp_rank == 0)
 
 
 def _in_group() -> bool:
@@ -81,7 +82,21 @@ def _layout(call: str, pipeline: Any, saving: bool) -> _Layout:
             "is unknown; save after a step or after piped.materialize(...)."
         )
     dp = pipeline.dp.rank if pipeline.dp is not None else 0
-    return _Layout(True, pg.rank if pg is not None else 0, dp, pipeline.param_owner())
+    rank = pg.rank if pg is not None else 0
+    return _Layout(True, rank, dp, pipeline.param_owner(), _buffer_owner(pipeline))
+
+
+def _buffer_owner(pipeline: Pipelined) -> dict[int, int]:
+    """id(buffer) -> the lowest pipeline rank whose stages read it (the one that updates it)."""
+    out: dict[int, int] = {}
+    for c in pipeline._cache.values():
+        sources = c.const_sources or [None] * len(c.consts)
+        for name, traced, src in zip(c.staged.const_inputs, c.consts, sources):
+            ranks = [c.runner.rank_of(p) for p in c.staged.consumers.get(name, [])]
+            now = traced if src is None else src[0].get_buffer(src[1])
+            if ranks:
+                out[id(now)] = min(ranks + [out.get(id(now), ranks[0])])
+    return out
 
 
 def _check_params(call: str, params: Any) -> None:
@@ -92,7 +107,7 @@ def _check_params(call: str, params: Any) -> None:
         )
 
 
-def _optim_entries(call: str, optimizer: Any, params: dict[str, torch.Tensor]) -> Iterator[Any]:
+def _optim_entries(call: str, optimizer: Any, params: dict[str, torch.Tensor]) -> Any:
     """(name, parameter, its state, its group) for each parameter the optimizer holds."""
     ids = {id(t): n for n, t in params.items()}
     for gi, group in enumerate(optimizer.param_groups):
@@ -110,135 +125,210 @@ def _hparams(group: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k != "params"}
 
 
-# -- save -----------------------------------------------------------------------------------------
-def _save_state(call: str, params: Any, optimizer: Any, lay: _Layout) -> dict[str, Any]:
-    """What this rank writes: the parameters it owns and their optimizer state (NOTE above)."""
-    sd: dict[str, Any] = {n: t.detach() for n, t in params.items() if lay.writes(n, t)}
-    for name, _, state, group in _optim_entries(call, optimizer, params) if optimizer is not None else ():
+# -- buffers --------------------------------------------------------------------------------------
+def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers `module.state_dict()` holds (persistent ones), by name, each once."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for prefix, sub in module.named_modules():
+        for name, b in sub._buffers.items():
+            if b is not None and name not in sub._non_persistent_buffers_set and id(b) not in seen:
+                seen.add(id(b))
+                out[f"{prefix}.{name}" if prefix else name] = b
+    return out
+
+
+def buffers_of(call: str, buffers: Any, pipeline: Any) -> dict[str, torch.Tensor]:
+    """`buffers=`: a module (its persistent buffers) or a dict; by default the persistent
+    buffers of the module `pipeline` traced (or was `fpipe.functionalize`d from)."""
+    if isinstance(buffers, nn.Module):
+        return persistent_buffers(buffers)
+    if buffers is None:
+        roots = _traced_modules(pipeline) if pipeline is not None else []
+        return {n: b for m in roots for n, b in persistent_buffers(m).items()} if len(roots) == 1 else {}
+    if isinstance(buffers, dict) and all(isinstance(v, torch.Tensor) for v in buffers.values()):
+        return buffers
+    raise TypeError(
+        f"{call}: buffers= must be the module (its persistent buffers are taken) or a dict of name "
+        f"-> tensor, got {type(buffers).__name__}."
+    )
+
+
+def _traced_modules(pipeline: Pipelined) -> list[nn.Module]:
+    """The modules `pipeline`'s function runs through `fpipe.functionalize` (one, usually)."""
+    found = [pipeline.cfg.f.module] if isinstance(pipeline.cfg.f, Functionalized) else []
+    for c in pipeline._cache.values():
+        found += [src[0] for src in c.const_sources or [] if src is not None]
+    return list({id(m): m for m in found}.values())
+
+
+# -- what this rank writes ------------------------------------------------------------------------
+class _Writing:
+    """This rank's tensors (key -> tensor) and its index (what each one is)."""
+
+    def __init__(self, stage: bool) -> None:
+        self.stage = stage  # async: copy each tensor now, so training may change the original
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.entries: list[dict[str, Any]] = []
+
+    def sink(self, t: torch.Tensor, where: str = "a value") -> str:
+        t = t.detach()
+        fmt.check_dtype(where, t)
+        key = f"t{len(self.tensors)}"
+        self.tensors[key] = t.to("cpu", copy=True) if self.stage else t
+        return key
+
+    def add(self, kind: str, name: str, t: torch.Tensor, state: str = "") -> None:
+        """A piece of a named tensor: the whole of it, or a DTensor's local shard and its offset."""
+        offset = [0] * t.dim()
+        local = t
+        if isinstance(t, DTensor):
+            _, off = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+            offset, local = list(off), t.to_local()
+        key = self.sink(local, f"{kind} {name!r}" + (f" state {state!r}" if state else ""))
+        self.entries.append({
+            "kind": kind, "name": name, "state": state, "tensor": key, "offset": offset,
+            "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
+        })  # fmt: skip
+
+
+def _collect(
+    call: str, params: Any, optimizer: Any, buffers: dict[str, torch.Tensor], extra: Any, lay: _Layout,
+    stage: bool,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:  # fmt: skip
+    """What this rank writes (NOTE above) and its index; a TypeError or ValueError for bad arguments."""
+    _check_params(call, params)
+    if extra is not None and not isinstance(extra, dict):
+        raise TypeError(f"{call}: extra must be a dict (step, RNG states, ...), got {type(extra).__name__}.")
+    w = _Writing(stage)
+    for n, t in params.items():
+        if lay.writes(lay.owner.get(n, 0), t):
+            w.add("param", n, t)
+    for n, b in buffers.items():
+        if lay.writes(lay.buffer_owner.get(id(b), 0), b):
+            w.add("buffer", n, b)
+    optim = _collect_optim(call, optimizer, params, lay, w) if optimizer is not None else {}
+    try:
+        enc = fmt.encode(extra or {}, lambda t: w.sink(t, "a tensor of extra"), "extra")
+    except TypeError as err:
+        raise TypeError(f"{call}: {err}") from None
+    return w.tensors, {"entries": w.entries, "optim": optim, "extra": enc}
+
+
+def _collect_optim(call: str, optimizer: Any, params: Any, lay: _Layout, w: _Writing) -> dict[str, Any]:
+    out = {}
+    for name, p, state, group in _optim_entries(call, optimizer, params):
+        if not lay.writes(lay.owner.get(name, 0), p):
+            continue
         tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
-        sd.update({f"{STATE}{name}/{k}": v.detach() for k, v in tensors.items() if lay.writes(name, v)})
-        blob = {"hparams": _hparams(group), "scalars": {k: v for k, v in state.items() if k not in tensors}}
-        if lay.writes(name, blob):
-            sd[GROUP + name] = files.to_bytes(call, blob, f"the optimizer's state of {name!r}")
-    return sd
+        for k, v in tensors.items():
+            w.add("optim", name, v, k)
+        rest = {"hparams": _hparams(group), "scalars": {k: v for k, v in state.items() if k not in tensors}}
+        try:
+            out[name] = fmt.encode(rest, w.sink, f"the optimizer's state of {name!r}")
+        except TypeError as err:
+            raise TypeError(f"{call}: {err}") from None
+    return out
 
 
+# -- starting a save ------------------------------------------------------------------------------
 def _group() -> Any:
     """A gloo group over all ranks for checkpoints alone (created at the first save, on every
-    rank): DCP's collectives, run from a thread by `async_save`, never meet the pipeline's."""
+    rank): its collectives never meet the pipeline's."""
     key = id(dist.group.WORLD)
     if key not in _GROUPS:
         _GROUPS[key] = dist.new_group(backend="gloo", timeout=timedelta(minutes=30))
     return _GROUPS[key]
 
 
-@dataclasses.dataclass
-class _Job:
-    """One save: where it writes, what this rank writes, and the group it writes with."""
-
-    call: str
-    path: Path
-    tmp: Path
-    state: dict[str, Any]
-    extra: bytes
-    group: Any
-
-    @property
-    def rank0(self) -> bool:
-        return self.group is None or dist.get_rank(self.group) == 0
-
-    def writer(self) -> Any:
-        return dcp.FileSystemWriter(self.tmp)
-
-    def publish(self, failed: BaseException | None) -> None:
-        """Rank 0 publishes the written checkpoint; every rank learns whether that worked."""
-        err = failed
-        if err is None and self.rank0:
-            try:
-                files.finish(self.tmp, self.path, self.extra)
-            except Exception as e:
-                err = e
-        if self.group is not None:
-            said = [f"{type(err).__name__}: {err}" if err is not None else None]
-            dist.broadcast_object_list(said, src=dist.get_global_rank(self.group, 0), group=self.group)
-            if err is None and said[0] is not None:
-                err = RuntimeError(f"{self.call}: rank 0 could not publish {self.path}: {said[0]}")
-        if err is not None:
-            raise err
-
-
-def _start(call: str, path: Any, params: Any, optimizer: Any, extra: Any, pipeline: Any) -> _Job:
-    """Check everything, then (collectively) prepare the directory the new checkpoint goes to."""
-    for earlier in list(_pending):
-        earlier.result()
-    lay = _layout(call, pipeline, saving=True)  # the same verdict on every rank
-    group = _group() if lay.distributed else None
-    try:
-        state, blob = _checked(call, params, optimizer, extra, lay)
-    except (TypeError, ValueError) as err:
-        _agree(call, group, err)
-        raise
-    _agree(call, group, None)
-    path = Path(path).absolute()
-    job = _Job(call, path, files.saving_dir(path), state, blob, group)
-    if job.rank0:
-        files.begin(path)
-    if group is not None:
-        dist.barrier(group=group)
-    return job
-
-
-def _checked(
-    call: str, params: Any, optimizer: Any, extra: Any, lay: _Layout
-) -> tuple[dict[str, Any], bytes]:
-    """What this rank writes and `extra`'s bytes; a TypeError or ValueError for bad arguments."""
-    _check_params(call, params)
-    if extra is not None and not isinstance(extra, dict):
-        raise TypeError(f"{call}: extra must be a dict (step, RNG states, ...), got {type(extra).__name__}.")
-    return _save_state(call, params, optimizer, lay), files.to_bytes(call, extra or {}, "extra")
-
-
-def _agree(call: str, group: Any, err: BaseException | None) -> None:
-    """Every rank learns whether any refused the save (an argument error on one rank alone would
-    leave the others waiting in DCP's first collective)."""
+def _agree(call: str, group: Any, err: BaseException | None, what: str = "refused to save") -> None:
+    """Every rank learns whether any failed (an error on one rank alone would leave the others
+    waiting for its files)."""
     if group is None:
         return
     said: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(said, None if err is None else f"{type(err).__name__}: {err}", group=group)
     bad = [(r, m) for r, m in enumerate(said) if m is not None]
     if bad and err is None:
-        raise RuntimeError(f"{call}: rank {bad[0][0]} refused to save, so no rank does: {bad[0][1]}")
+        raise CheckpointError(f"{call}: rank {bad[0][0]} {what}, so no rank does: {bad[0][1]}")
 
 
-_NO_DIST = "torch.distributed is disabled, unavailable or uninitialized"  # DCP's, with no_dist too
+def _start(call: str, path: Any, args: dict[str, Any], stage: bool) -> Job:
+    """Check everything, then (collectively) prepare the directory the new checkpoint goes to."""
+    wait_earlier(call)
+    pipeline = args["pipeline"]
+    lay = _layout(call, pipeline, saving=True)  # the same verdict on every rank
+    group = _group() if lay.distributed else None
+    try:
+        bufs = buffers_of(call, args["buffers"], pipeline)
+        tensors, index = _collect(call, args["params"], args["optimizer"], bufs, args["extra"], lay, stage)
+    except (TypeError, ValueError) as err:
+        _agree(call, group, err)
+        raise
+    _agree(call, group, None)
+    rank = dist.get_rank(group) if group is not None else 0
+    path = Path(os.path.abspath(path))
+    lock, failed = _begin(call, path) if rank == 0 else (None, None)
+    _agree(call, group, failed, "could not start the save")
+    if failed is not None:
+        raise failed
+    nonce = [files.new_nonce()]
+    if group is not None:
+        dist.broadcast_object_list(nonce, src=dist.get_global_rank(group, 0), group=group)
+    head = {"rng_step": pipeline._steps, "random": _draws(pipeline)} if pipeline is not None else {}
+    ranks = dist.get_world_size(group) if group is not None else 1
+    return Job(call, path, files.saving_dir(path), rank, ranks, nonce[0], tensors, index, head, lock)
 
 
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_NO_DIST, category=UserWarning)
-        yield
+def _draws(pipeline: Pipelined) -> bool:
+    """Do the pipeline's programs draw random numbers (seeded by its step: NOTE [random-number
+    policy])?"""
+    progs = [p for c in pipeline._cache.values() for p in c.staged.programs.values()]
+    return any(n.target is seeded for p in progs for n in p.gm.graph.nodes)
+
+
+def _begin(call: str, path: Path) -> tuple[int | None, BaseException | None]:
+    lock = None
+    try:
+        files.refuse_foreign(call, path)  # before the lock file is made beside it
+        lock = files.lock(call, path)
+        files.begin(call, path)
+        return lock, None
+    except (ValueError, OSError, CheckpointError) as err:
+        if lock is not None:
+            files.unlock(lock)
+        return None, err
 
 
 def save(
-    path: str | Path, params: dict[str, torch.Tensor], *, optimizer: Any = None, extra: Any = None,
-    pipeline: Any = None,
+    path: str | Path, params: dict[str, torch.Tensor], *, optimizer: Any = None, buffers: Any = None,
+    extra: Any = None, pipeline: Any = None,
 ) -> None:  # fmt: skip
-    """Write a checkpoint of `params` (and `optimizer`'s state, and `extra`) to the directory `path`.
+    """Write a checkpoint of `params`, `optimizer`'s state, the module's buffers, the pipeline's
+    step and `extra` to the directory `path` (docs/CHECKPOINTS.md).
 
-    Collective in a process group: every rank calls it at the same point. Each parameter is
-    written once under its name, by the rank that owns it (NOTE [checkpoints move between
-    layouts]); the directory is written aside and published atomically, so a save that is killed
-    leaves the previous checkpoint at `path` (NOTE [publishing a checkpoint]).
+    Collective in a process group: every rank calls it at the same point. Each tensor is written
+    once under its name, by the rank that owns it (NOTE [checkpoints move between layouts]); the
+    directory is written aside and published atomically, so a save that is killed leaves the
+    previous checkpoint at `path` (NOTE [publishing a checkpoint]).
 
     Args:
-        path: the checkpoint directory (replaced when the new checkpoint is complete).
+        path: the checkpoint directory: absent, empty, or an earlier fpipe checkpoint (replaced
+            whole when the new one is complete); anything else is refused.
         params: the params dict (`fpipe.functionalize`'s names): this rank's entries are real.
-        optimizer: a `torch.optim` optimizer over tensors of `params` (per-parameter state of
-            tensors and scalars): its state and hyperparameters are saved under the names.
-        extra: a small dict (step, data position, RNG states, a scheduler's state_dict) that
-            `torch.load(weights_only=True)` can read back; `load` returns it.
-        pipeline: the `Pipelined` that trains `params`; required in a process group.
+        optimizer: a `torch.optim` optimizer over tensors of `params`: its state and
+            hyperparameters are saved under the parameters' names.
+        buffers: the module whose persistent buffers are saved (or a dict name -> tensor); by
+            default those of the module `pipeline`'s function was functionalized from.
+        extra: this rank's small dict (step, data position, RNG states, a scheduler's
+            state_dict): tensors, numbers, strings, bytes, None, lists/tuples/dicts of them;
+            `load` gives each rank its own back.
+        pipeline: the `Pipelined` that trains `params`: its step (which seeds dropout) is saved;
+            required in a process group.
+
+    Raises:
+        ValueError, TypeError: bad arguments, or a `path` fpipe did not write (nothing written).
+        CheckpointError: another save to `path` is running, the disk is full, a rank failed.
 
     Example:
         >>> import torch, fpipe, tempfile
@@ -248,58 +338,21 @@ def save(
         >>> fpipe.load(d + "/ckpt", w), w["w"]
         ({'step': 3}, tensor([1., 1.]))
     """
-    job = _start(f"save({str(path)!r}, params)", path, params, optimizer, extra, pipeline)
-    with _quiet():
-        dcp.save(job.state, storage_writer=job.writer(), process_group=job.group, no_dist=job.group is None)
-    job.publish(None)
-
-
-class AsyncCheckpoint:
-    """A save in progress (`fpipe.async_save`): `result()` waits until it is published."""
-
-    def __init__(self, path: Path, future: Future[None]) -> None:
-        self.path, self._future = path, future
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def result(self, timeout: float | None = None) -> None:
-        """Wait until the checkpoint is written and published (re-raises a failure)."""
-        try:
-            self._future.result(timeout)
-        finally:
-            if self._future.done() and self in _pending:
-                _pending.remove(self)
+    args = dict(params=params, optimizer=optimizer, buffers=buffers, extra=extra, pipeline=pipeline)
+    _start(f"save({str(path)!r}, params)", path, args, stage=False).run()
 
 
 def async_save(
-    path: str | Path, params: dict[str, torch.Tensor], *, optimizer: Any = None, extra: Any = None,
-    pipeline: Any = None,
+    path: str | Path, params: dict[str, torch.Tensor], *, optimizer: Any = None, buffers: Any = None,
+    extra: Any = None, pipeline: Any = None,
 ) -> AsyncCheckpoint:  # fmt: skip
-    """`save`, with the writing in a background thread (`dcp.async_save`): returns once this
-    rank's tensors are copied (staged) to memory, so training can go on and change them.
+    """`save`, with the writing in a background thread: returns once this rank's tensors are
+    copied to memory, so training can go on and change them.
 
-    Publishing happens when the writing completes; `.result()` waits for that. A later `save`
-    or `async_save` in this process waits for this one first. Arguments as for `save`.
+    Publishing happens when every rank's files are written; `.result()` waits for that and
+    raises a `CheckpointError` if it failed. A failure nobody waited for is raised by the next
+    fpipe call of this process, or reported at exit (NOTE [a save's failure is never lost]).
+    A later `save`, `async_save` or `load` in this process waits for this one first.
     """
-    job = _start(f"async_save({str(path)!r}, params)", path, params, optimizer, extra, pipeline)
-    if job.group is None:  # DCP warns from its writer thread, past any catch_warnings: this one only
-        warnings.filterwarnings("ignore", message=_NO_DIST, category=UserWarning)
-    with _quiet():
-        up = dcp.async_save(
-            job.state, storage_writer=job.writer(), process_group=job.group, no_dist=job.group is None
-        )
-    upload: Future[Any] = getattr(up, "upload_completion", up)  # type: ignore[arg-type]
-    done: Future[None] = Future()
-
-    def after(f: Future[Any]) -> None:
-        try:
-            job.publish(f.exception())
-            done.set_result(None)
-        except BaseException as err:
-            done.set_exception(err)
-
-    handle = AsyncCheckpoint(job.path, done)
-    _pending.append(handle)
-    upload.add_done_callback(after)
-    return handle
+    args = dict(params=params, optimizer=optimizer, buffers=buffers, extra=extra, pipeline=pipeline)
+    return AsyncCheckpoint(_start(f"async_save({str(path)!r}, params)", path, args, stage=True))

@@ -374,8 +374,21 @@ def problems_outcome(problems: list[tuple[str, str]]) -> Outcome:
     problems = [(p, d) for p, d in problems if not p.startswith("held:")]
     if not problems:
         return Outcome("ok", held=held[0][5:] if held else "")
-    parts = sorted({coarse(p) for p, _ in problems})
-    return Outcome("fail", " ".join(parts), "\n".join(d for _, d in problems[:12]))
+    return Outcome("fail", signature(problems), "\n".join(d for _, d in problems[:12]))
+
+
+def signature(problems: list[tuple[str, str]]) -> str:
+    """What a failure is: the mismatches of its first step that has any (later ones follow
+    from it), coarsened (`coarse`); a wrong gradient stands for the wrong values it causes."""
+    parts = {coarse(p) for p, _ in problems}
+    first = min(parts, key=lambda p: _ORDER.index(p.split(":", 1)[0]))
+    parts = {p for p in parts if p.split(":", 1)[0] == first.split(":", 1)[0]}
+    if any(p.endswith(":grads:value") for p in parts):
+        parts = {p for p in parts if not p.endswith(":value") or ":grads:" in p or ":buffers." in p}
+    return " ".join(sorted(parts))
+
+
+_ORDER = ["step1", "step2", "after", "buffers"]
 
 
 def coarse(part: str) -> str:

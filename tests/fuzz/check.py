@@ -379,12 +379,13 @@ def problems_outcome(problems: list[tuple[str, str]]) -> Outcome:
 
 def signature(problems: list[tuple[str, str]]) -> str:
     """What a failure is: the mismatches of its first step that has any (later ones follow
-    from it), coarsened (`coarse`); a wrong gradient stands for the wrong values it causes."""
+    from it), coarsened (`coarse`); a wrong gradient stands for the wrong aux values and data
+    gradient that come with it."""
     parts = {coarse(p) for p, _ in problems}
     first = min(parts, key=lambda p: _ORDER.index(p.split(":", 1)[0]))
     parts = {p for p in parts if p.split(":", 1)[0] == first.split(":", 1)[0]}
     if any(p.endswith(":grads:value") for p in parts):
-        parts = {p for p in parts if not p.endswith(":value") or ":grads:" in p or ":buffers." in p}
+        parts = {p for p in parts if not (p.endswith(":value") and (":aux." in p or ":grad_x:" in p))}
     return " ".join(sorted(parts))
 
 

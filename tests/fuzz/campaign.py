@@ -41,33 +41,36 @@ class Campaign:
     results: list[Result] = dataclasses.field(default_factory=list)
 
     def run(self) -> list[Result]:
+        """The multi-rank batch first (one launch), then the in-process examples (to the deadline)."""
         t0 = time.monotonic()
+        if self.dist:
+            self._run_dist()
         idx = range(self.start, self.start + self.examples)
         stop = None if self.deadline_s is None else t0 + self.deadline_s
         exs = (draw(self.seed, i, self.features) for i in idx if stop is None or time.monotonic() < stop)
-        for n, r in enumerate(_run_all(exs, self.jobs), 1):
+        done = 0
+        for done, r in enumerate(_run_all(exs, self.jobs), 1):
             self.results.append(r)
             self._record(r)
-            if n % 50 == 0 or n == self.examples:
-                self.log(f"[{n}/{self.examples}] {_counts(self.results)}  {time.monotonic() - t0:.0f} s")
-        if len(self.results) < self.examples:
-            self.log(f"deadline: {len(self.results)} of {self.examples} examples run")
-        if self.dist:
-            exs = [
-                draw(self.seed, i, self.features, self.world)
-                for i in range(self.start, self.start + self.dist)
-            ]
-            t1 = time.monotonic()
-            with tempfile.TemporaryDirectory(prefix="fpipe-fuzz-dist-") as tmp:
-                outs = run_dist(exs, Path(tmp), self.world)
-            each = (time.monotonic() - t1) / max(1, len(exs))
-            self.results += [Result(ex, o, each) for ex, o in zip(exs, outs)]
-            for r in self.results[-len(exs) :]:
-                self._record(r)
-            self.log(
-                f"[{len(exs)} on {self.world} ranks, one launch] {_counts(self.results[-len(exs) :])}  {time.monotonic() - t1:.0f} s"
-            )
+            if done % 50 == 0 or done == self.examples:
+                self.log(f"[{done}/{self.examples}] {_counts(self.results)}  {time.monotonic() - t0:.0f} s")
+        if done < self.examples:
+            self.log(f"deadline: {done} of {self.examples} in-process examples run")
         return self.results
+
+    def _run_dist(self) -> None:
+        exs = [
+            draw(self.seed, i, self.features, self.world) for i in range(self.start, self.start + self.dist)
+        ]
+        t1 = time.monotonic()
+        with tempfile.TemporaryDirectory(prefix="fpipe-fuzz-dist-") as tmp:
+            outs = run_dist(exs, Path(tmp), self.world)
+        each = (time.monotonic() - t1) / max(1, len(exs))
+        for ex, o in zip(exs, outs):
+            self.results.append(Result(ex, o, each))
+            self._record(self.results[-1])
+        took = time.monotonic() - t1
+        self.log(f"[{len(exs)} on {self.world} ranks, one launch] {_counts(self.results)}  {took:.0f} s")
 
     def _record(self, r: Result) -> None:
         if self.record is not None:

@@ -30,6 +30,7 @@ from .grammar import Built, Example, build, loss_function
 
 RTOL, ATOL = 1e-9, 1e-12  # float64: reorderings of the same sums stay near 1e-15 relative
 LR, MOMENTUM = 0.1, 0.9
+STATEFUL = {"buf_rw", "bn_train"}  # layers that write a buffer or mix the batch: per microbatch
 DIST_TIMEOUT_S = 60.0  # fpipe's peer timeout on ranks (its default is 300 s)
 
 
@@ -63,6 +64,8 @@ class Reference:
         ex, n_rep, m = self.ex, len(self.buffers), self.ex.microbatches
         argnums = (0, 2) if ex.grad_x else 0  # f(params, buffers, x, y)
         vg = torch.func.grad_and_value(self._f, argnums=argnums, has_aux=bool(ex.aux))
+        if not STATEFUL & set(ex.layers):  # no example meets another, no buffer changes: whole batch
+            return _combine(ex, [vg(self.params, self.buffers[0], x, y)], 1)
         outs = []
         for i, (xc, yc) in enumerate(zip(x.chunk(n_rep * m), y.chunk(n_rep * m))):
             outs.append(vg(self.params, self.buffers[i // m], xc, yc))  # updates the buffers in place

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dist_launch import read_json
 from models import compiled
 from tdp_models import ZOO, D, build, stage_params
 from torch.distributed.pipelining import SplitPoint, pipe_split
@@ -188,3 +189,27 @@ def test_split_spec_and_every_kth_entry_in_one_dict():
     layers = [[k for k in sorted(params) if k.startswith(f"layers.{i}.")] for i in range(4)]
     assert stage_params(c) == [layers[0], layers[1] + layers[2], layers[3]]
     _assert_exact(loss, params, data, value, grads)
+
+
+def _two_rank_stages(name: str) -> list[list[str]]:
+    """Per stage, the parameters of zoo model `name` as tests/trust_dist_worker.py cuts it."""
+    if name != "split_spec":  # cut by its pipe_split() calls, as in one process
+        return ZOO[name][2]
+    per_stage = ZOO[name][2]  # {"layers.1": SplitPoint.END}: layers 0-1, then 2-3
+    return [per_stage[0] + per_stage[1][:4], per_stage[1][4:] + per_stage[2]]
+
+
+@pytest.mark.parametrize("name", ["buffer_across", "param_alias", "split_spec", "three_splits"])
+def test_zoo_models_on_two_gloo_ranks(trust_launch, name):
+    """The shared 2-rank launch (`trust_launch`): each rank returns the gradients of the
+    parameters its stages read, equal to the unsplit function's; the ranks cover every stage."""
+    out, _ = trust_launch
+    ranks = [read_json(out / f"rank{r}.json") for r in range(2)]
+    records = [rec["tdp_zoo"] for rec in ranks]
+    assert all("error" not in rec for rec in records), records
+    per_stage = _two_rank_stages(name)
+    assert sorted(s for rec in records for s in rec[name]["stages"]) == list(range(len(per_stage)))
+    for rec in records:
+        mine = rec[name]
+        assert sorted(mine["grads"]) == sorted({k for s in mine["stages"] for k in per_stage[s]})
+        assert mine["loss"] < TOL and all(e < TOL for e in mine["grads"].values()), mine

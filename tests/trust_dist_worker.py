@@ -8,6 +8,8 @@ rank writes `rank{R}.json` with one record per case.
 * constant: a rank-dependent Python constant on stage 0 -> the error every rank raises.
 * transforms: torch.func.grad / vmap around a pipeline -> the error every rank raises.
 * after: the first two pipelines called once more: the group is still usable after the errors.
+* tdp_zoo: tests/tdp_models.py's zoo (pipe_split() calls, a split_spec) against the unsplit
+  functions (tests/test_from_tdp.py reads it).
 * compile_fails: rank 1 raises while tracing and goes on; rank 0 learns why at once.
 
 First, for `tests/test_timeline.py` (it shares this launch: a process group costs seconds to
@@ -32,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.pipelining import SplitPoint
 
 import fpipe
 
@@ -201,6 +204,34 @@ def _timeline(out: str) -> dict[str, Any]:
     return {"schedules": list(TIMELINE_SCHEDULES)}
 
 
+TDP_ZOO = {  # zoo model (tests/tdp_models.py): pipeline options for 2 ranks
+    "buffer_across": {},
+    "param_alias": {},
+    "split_spec": {"cuts": {"layers.1": SplitPoint.END}},
+    "three_splits": {"schedule": "interleaved-1f1b"},  # 4 stages, 2 per rank
+}
+
+
+def _tdp_zoo() -> dict[str, Any]:
+    """tests/test_from_tdp.py on 2 ranks: per model, this rank's stages, the parameter keys its
+    gradients cover, and the max errors against the unsplit function's (fp64)."""
+    from tdp_models import build
+
+    out: dict[str, Any] = {}
+    for name, options in TDP_ZOO.items():
+        loss, params, data = build(name)
+        piped = fpipe.pipeline(loss, microbatches=MB, timeout=60, **options)
+        value, grads = fpipe.value_and_grad(piped)(params, *data)
+        ref_grads, ref = torch.func.grad_and_value(loss)(params, *data)
+        c = next(iter(piped._cache.values()))
+        out[name] = {
+            "loss": abs(value.item() - ref.item()),
+            "grads": {k: (g - ref_grads[k]).abs().max().item() for k, g in grads.items()},
+            "stages": [s for s in range(c.staged.n_stages) if c.runner.rank_of(("F", s)) == dist.get_rank()],
+        }
+    return out
+
+
 def _case(run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """A case's record, or the error it raised (so each case's test fails on its own)."""
     try:
@@ -260,6 +291,7 @@ def main() -> None:
     record["transforms"] = _case(lambda: _under_transforms(a))
     record["backward"] = _case(lambda: _backward_of_a_call(a))
     record["after"] = _case(lambda: {"a": _max_errors(a, _mlp, 300), "b": _max_errors(b, _other, 301)})
+    record["tdp_zoo"] = _case(_tdp_zoo)
     record["compile_fails"] = _compile_fails(args.out)
     with open(os.path.join(args.out, f"rank{record['rank']}.json"), "w") as f:
         json.dump(record, f)

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed.pipelining.schedules as S
 from dist_launch import read_json
 from models import compiled
 from tdp_models import ZOO, D, build, stage_params
 from torch.distributed.pipelining import SplitPoint, pipe_split
+from torch.distributed.pipelining.stage import _PipelineStageBase
 
 import fpipe
 from fpipe._src.agree import fingerprint
@@ -213,3 +215,52 @@ def test_zoo_models_on_two_gloo_ranks(trust_launch, name):
         mine = rec[name]
         assert sorted(mine["grads"]) == sorted({k for s in mine["stages"] for k in per_stage[s]})
         assert mine["loss"] < TOL and all(e < TOL for e in mine["grads"].values()), mine
+
+
+class _StageStub(_PipelineStageBase):
+    """What TDP's multi-stage schedules read of a stage to build their `pipeline_order` (no
+    process group, no module: the orders are computed at construction)."""
+
+    _create_grad_recv_info = _prepare_backward_infra = _prepare_forward_infra = lambda *a, **k: None
+
+    def __init__(self, index: int, n: int, pp: int, rank: int) -> None:  # no super(): no group
+        self.stage_index, self.num_stages, self.group_size, self.group_rank = index, n, pp, rank
+        self.submod = torch.nn.Module()
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.num_stages - 1
+
+
+def _orders(tdp_class, name: str, pp: int, m: int) -> tuple[list[list[str]], list[list[str]]]:
+    """Per rank, TDP's actions and fpipe's, both in TDP's text form (`2F0`), 2 stages per rank."""
+    v = name in ("zbv", "dualpipev")
+    tdp = []
+    for r in range(pp):
+        stages = [_StageStub(r, 2 * pp, pp, r), _StageStub(2 * pp - 1 - r if v else r + pp, 2 * pp, pp, r)]
+        tdp.append([str(a) for a in tdp_class(stages, n_microbatches=m).pipeline_order[r] if a is not None])
+    mine = fpipe.schedules.build(name, pp=pp, microbatches=m, stages=2 * pp)
+    return tdp, [[f"{a.stage}{a.kind}{a.mb}" for a in acts] for acts in mine.ranks]
+
+
+@pytest.mark.parametrize(("pp", "m"), [(2, 4), (3, 6), (4, 8)])
+def test_the_guides_schedule_table_against_tdps_own_orders(pp, m):
+    """docs/guide/from-torch-pipelining.md, "Schedules": what it says of each TDP schedule's
+    action order against fpipe's built-in of the same name."""
+    tdp, mine = _orders(S.ScheduleInterleaved1F1B, "interleaved-1f1b", pp, m)
+    assert tdp == mine
+    tdp, mine = _orders(S.ScheduleLoopedBFS, "looped-bfs", pp, m)
+    for theirs, ours in zip(tdp, mine):
+        assert [a for a in theirs if "F" in a] == [a for a in ours if "F" in a]
+        back = [a for a in ours if "B" in a]  # per chunk, the microbatches in the reverse order
+        assert [a for a in theirs if "B" in a] == [
+            b for i in range(0, len(back), m) for b in back[i : i + m][::-1]
+        ]
+    tdp, mine = _orders(S.ScheduleZBVZeroBubble, "zbv", pp, m)
+    assert (tdp == mine) == (pp == 2)
+    tdp, mine = _orders(S.ScheduleDualPipeV, "dualpipev", pp, m)
+    assert any("OVERLAP_F_B" in a for acts in tdp for a in acts) and tdp != mine

@@ -25,6 +25,7 @@ report on replica 0 that replica 1 must not see.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -213,23 +214,23 @@ TDP_ZOO = {  # zoo model (tests/tdp_models.py): pipeline options for 2 ranks
 
 
 def _tdp_zoo() -> dict[str, Any]:
-    """tests/test_from_tdp.py on 2 ranks: per model, this rank's stages, the parameter keys its
-    gradients cover, and the max errors against the unsplit function's (fp64)."""
+    """tests/test_from_tdp.py on 2 ranks: per model (each its own case), this rank's stages, the
+    max errors against the unsplit function's (fp64) per gradient key this rank returns."""
+    return {name: _case(functools.partial(_zoo_model, name, opts)) for name, opts in TDP_ZOO.items()}
+
+
+def _zoo_model(name: str, options: dict[str, Any]) -> dict[str, Any]:
     from tdp_models import build
 
-    out: dict[str, Any] = {}
-    for name, options in TDP_ZOO.items():
-        loss, params, data = build(name)
-        piped = fpipe.pipeline(loss, microbatches=MB, timeout=60, **options)
-        value, grads = fpipe.value_and_grad(piped)(params, *data)
-        ref_grads, ref = torch.func.grad_and_value(loss)(params, *data)
-        c = next(iter(piped._cache.values()))
-        out[name] = {
-            "loss": abs(value.item() - ref.item()),
-            "grads": {k: (g - ref_grads[k]).abs().max().item() for k, g in grads.items()},
-            "stages": [s for s in range(c.staged.n_stages) if c.runner.rank_of(("F", s)) == dist.get_rank()],
-        }
-    return out
+    loss, params, data = build(name)
+    piped = fpipe.pipeline(loss, microbatches=MB, timeout=60, **options)
+    value, grads = fpipe.value_and_grad(piped)(params, *data)
+    ref_grads, ref = torch.func.grad_and_value(loss)(params, *data)
+    return {
+        "loss": abs(value.item() - ref.item()),
+        "grads": {k: (g - ref_grads[k]).abs().max().item() for k, g in grads.items()},
+        "stages": piped.local_stages,
+    }
 
 
 def _case(run: Callable[[], dict[str, Any]]) -> dict[str, Any]:

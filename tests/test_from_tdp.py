@@ -92,7 +92,8 @@ def test_pipe_split_and_stage_boundary_mix_each_adding_a_stage():
 def test_pipe_split_composes_with_grad_and_vmap_inside_the_function():
     """pipe_split() is a no-op under torch.func transforms and make_fx records it in program order:
     inside a vmap it still cuts (a stage_boundary there is dropped), and inside a gradient the
-    function takes (a gradient penalty) the cut stays where it was called; the values are exact."""
+    function takes (a gradient penalty) the cut stays where it was called, so that gradient's work
+    runs on the later stage; the values are exact."""
     g = torch.Generator().manual_seed(2)
     params = {k: torch.randn(D, D, generator=g, dtype=torch.float64) for k in ("a", "b")}
     data = (torch.randn(8, D, generator=g, dtype=torch.float64),)
@@ -112,6 +113,9 @@ def test_pipe_split_composes_with_grad_and_vmap_inside_the_function():
         piped, value, grads = _step(f, params, data)
         assert compiled(piped).staged.n_stages == 2
         _assert_exact(f, params, data, value, grads)
+    programs = compiled(piped).staged.programs  # the penalty's: its inner backward is on stage 1
+    inner = [[n for n in programs["F", s].gm.graph.nodes if "tanh_backward" in str(n.target)] for s in (0, 1)]
+    assert not inner[0] and inner[1]
 
 
 def test_pipe_split_with_cuts_is_refused():

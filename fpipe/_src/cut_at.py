@@ -20,8 +20,8 @@ functional graph, so an in-place update after the call is applied to the crossin
 would be eagerly. `pipe_split()` and `stage_boundary` may be mixed (each adds one stage on the
 paths it cuts); `pipe_split()` with `cuts=` is refused, like `stage_boundary` with `cuts=`.
 Inside a `torch.func.grad` that the function itself takes, the cut stays where it was called in
-program order: the inner backward comes after it, so it runs on the later stage (the values are
-the same; `stage_boundary` places it on the stage of its forward instead). A tensor-parallel
+program order: the inner backward comes after it, so it runs on the later stage, as it does
+through a `stage_boundary` (forward work never flows to a lower stage). A tensor-parallel
 function's joint graph is traced in one piece (tp.py), where a position is not a stage, so
 `pipe_split()` there is refused.
 """

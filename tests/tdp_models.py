@@ -52,9 +52,9 @@ class ParamAlias(nn.Module):
         self.lin1 = self.lin0 = nn.Linear(D, D)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        x = torch.relu(self.lin0(torch.mm(x, self.mm_param0) + y))
-        pipe_split()
-        return torch.relu(self.lin1(torch.mm(x, self.mm_param1)))
+        x = self.lin0(torch.mm(x, self.mm_param0) + y)
+        pipe_split()  # before the relu: not where fpipe's automatic 2-stage cut would go
+        return torch.relu(self.lin1(torch.mm(torch.relu(x), self.mm_param1)))
 
 
 class Mlp(nn.Module):
@@ -117,6 +117,17 @@ ZOO: dict[str, tuple[type[nn.Module], dict[str, Any], list[list[str]]]] = {
 }
 
 
+# on 2 ranks (tests/trust_dist_worker.py): the pipeline options, and per stage the parameters
+TWO_RANKS: dict[str, tuple[dict[str, Any], list[list[str]]]] = {
+    name: (options, per_stage) for name, (_, options, per_stage) in ZOO.items() if len(per_stage) == 2
+}
+TWO_RANKS["split_spec"] = (
+    {"cuts": {"layers.1": SplitPoint.END}},
+    [_mlp_keys("layers.0") + _mlp_keys("layers.1"), _mlp_keys("layers.2") + _mlp_keys("layers.3")],
+)
+TWO_RANKS["three_splits"] = ({"schedule": "interleaved-1f1b"}, ZOO["three_splits"][2])  # 2 per rank
+
+
 def build(name: str, seed: int = 0) -> tuple[Any, dict[str, torch.Tensor], tuple[torch.Tensor, ...]]:
     """`(loss, params, (x, y, target))` for zoo model `name` in float64; the model's second input
     is passed by keyword, as TDP's `kwargs` are."""
@@ -131,6 +142,11 @@ def build(name: str, seed: int = 0) -> tuple[Any, dict[str, torch.Tensor], tuple
     g = torch.Generator().manual_seed(seed + 1)
     data = tuple(torch.randn(BATCH, D, generator=g, dtype=torch.float64) for _ in range(3))
     return loss, params, data
+
+
+def forward_ops(c: Any) -> dict[int, int]:
+    """Per stage, the operations of its forward program (`c`: a compiled entry): where the cut is."""
+    return {s: prog.n_nodes for (kind, s), prog in c.staged.programs.items() if kind == "F"}
 
 
 def stage_params(c: Any) -> list[list[str]]:

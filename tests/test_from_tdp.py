@@ -11,7 +11,7 @@ import torch
 import torch.distributed.pipelining.schedules as S
 from dist_launch import read_json
 from models import compiled
-from tdp_models import ZOO, D, build, stage_params
+from tdp_models import TWO_RANKS, ZOO, D, build, forward_ops, stage_params
 from torch.distributed.pipelining import SplitPoint, pipe_split
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
@@ -197,26 +197,21 @@ def test_split_spec_and_every_kth_entry_in_one_dict():
     _assert_exact(loss, params, data, value, grads)
 
 
-def _two_rank_stages(name: str) -> list[list[str]]:
-    """Per stage, the parameters of zoo model `name` as tests/trust_dist_worker.py cuts it."""
-    if name != "split_spec":  # cut by its pipe_split() calls, as in one process
-        return ZOO[name][2]
-    per_stage = ZOO[name][2]  # {"layers.1": SplitPoint.END}: layers 0-1, then 2-3
-    return [per_stage[0] + per_stage[1][:4], per_stage[1][4:] + per_stage[2]]
-
-
-@pytest.mark.parametrize("name", ["buffer_across", "param_alias", "split_spec", "three_splits"])
+@pytest.mark.parametrize("name", sorted(TWO_RANKS))
 def test_zoo_models_on_two_gloo_ranks(trust_launch, name):
-    """The shared 2-rank launch (`trust_launch`): each rank returns the gradients of the
-    parameters its stages read, equal to the unsplit function's; the ranks cover every stage."""
+    """The shared 2-rank launch (`trust_launch`): the ranks cover every stage, each cut as in one
+    process (each stage's forward operations), and each returns the gradients of the parameters
+    its stages read, equal to the unsplit function's."""
     out, _ = trust_launch
-    ranks = [read_json(out / f"rank{r}.json") for r in range(2)]
-    records = [rec["tdp_zoo"] for rec in ranks]
+    records = [read_json(out / f"rank{r}.json")["tdp_zoo"] for r in range(2)]
     assert all("error" not in rec and "error" not in rec[name] for rec in records), records
-    per_stage = _two_rank_stages(name)
+    options, per_stage = TWO_RANKS[name]
+    loss, params, data = build(name)
+    ops = forward_ops(compiled(_step(loss, params, data, **options)[0]))
     assert sorted(s for rec in records for s in rec[name]["stages"]) == list(range(len(per_stage)))
     for rec in records:
         mine = rec[name]
+        assert {int(s): n for s, n in mine["ops"].items()} == {s: ops[s] for s in mine["stages"]}
         assert sorted(mine["grads"]) == sorted({k for s in mine["stages"] for k in per_stage[s]})
         assert mine["loss"] < TOL and all(e < TOL for e in mine["grads"].values()), mine
 

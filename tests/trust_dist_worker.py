@@ -35,7 +35,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.pipelining import SplitPoint
 
 import fpipe
 
@@ -205,22 +204,16 @@ def _timeline(out: str) -> dict[str, Any]:
     return {"schedules": list(TIMELINE_SCHEDULES)}
 
 
-TDP_ZOO = {  # zoo model (tests/tdp_models.py): pipeline options for 2 ranks
-    "buffer_across": {},
-    "param_alias": {},
-    "split_spec": {"cuts": {"layers.1": SplitPoint.END}},
-    "three_splits": {"schedule": "interleaved-1f1b"},  # 4 stages, 2 per rank
-}
-
-
 def _tdp_zoo() -> dict[str, Any]:
     """tests/test_from_tdp.py on 2 ranks: per model (each its own case), this rank's stages, the
     max errors against the unsplit function's (fp64) per gradient key this rank returns."""
-    return {name: _case(functools.partial(_zoo_model, name, opts)) for name, opts in TDP_ZOO.items()}
+    from tdp_models import TWO_RANKS
+
+    return {name: _case(functools.partial(_zoo_model, name, opts)) for name, (opts, _) in TWO_RANKS.items()}
 
 
 def _zoo_model(name: str, options: dict[str, Any]) -> dict[str, Any]:
-    from tdp_models import build
+    from tdp_models import build, forward_ops
 
     loss, params, data = build(name)
     piped = fpipe.pipeline(loss, microbatches=MB, timeout=60, **options)
@@ -230,6 +223,7 @@ def _zoo_model(name: str, options: dict[str, Any]) -> dict[str, Any]:
         "loss": abs(value.item() - ref.item()),
         "grads": {k: (g - ref_grads[k]).abs().max().item() for k, g in grads.items()},
         "stages": piped.local_stages,
+        "ops": {str(s): forward_ops(next(iter(piped._cache.values())))[s] for s in piped.local_stages},
     }
 
 

@@ -19,10 +19,10 @@ that `fpipe.functionalize` wrapped (`module.named_modules()`). The forms:
 
 A path that does not exist is refused with the closest real ones; a rule that matches no
 module is refused; `cuts` together with `stage_boundary` or `pipe_split()` calls in `f` is
-refused (one way to say where stages begin). A model that calls several functionalized modules resolves each path in
-whichever of them has it. A named module that receives no tensor, or a cut that makes no stage
-(inside `torch.func.vmap`, where boundaries are dropped), is refused. A module called twice
-begins a stage at each call.
+refused (one way to say where stages begin). A model that calls several functionalized modules
+resolves each path in whichever of them has it. A named module that receives no tensor (or, at
+SplitPoint.END, returns none), or a cut that makes no stage (inside `torch.func.vmap`, where
+boundaries are dropped), is refused. A module called twice begins a stage at each call.
 """
 
 from __future__ import annotations

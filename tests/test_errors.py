@@ -81,9 +81,9 @@ def test_stages_disagree_with_boundaries(model, stages):
     piped = fpipe.pipeline(loss, stages=stages, microbatches=2)
     msg = (
         f"pipeline(loss, stages={stages}, microbatches=2): stages={stages} but the function's "
-        "stage_boundary calls make 3 stages (the most boundaries on one path from the inputs); pass "
-        "stages=3 (or stages=None to follow the boundaries), or remove the stage_boundary calls to let "
-        "fpipe choose the cuts."
+        "stage_boundary (or pipe_split()) calls make 3 stages (the most boundaries on one path from "
+        "the inputs); pass stages=3 (or stages=None to follow the boundaries), or remove the calls to "
+        "let fpipe choose the cuts."
     )
     with _raises(ValueError, msg):
         fpipe.value_and_grad(piped)(params, *_xy(8))

@@ -130,6 +130,14 @@ REFUSALS = {  # worker record: (launch, what its error must say)
         4,
         ["fpipe cannot yet choose the cuts of a tensor-parallel function", "cuts={'blocks': k}"],
     ),
+    "pipe_split": (
+        4,
+        [
+            "calls torch.distributed.pipelining's pipe_split() (1 call(s)), but a tensor-parallel "
+            "function's gradient is traced in one piece",
+            "Mark the stages with fpipe.stage_boundary(x)",
+        ],
+    ),
     "dtensor_data": (4, ["a data argument is a DTensor", "pass the data as plain tensors"]),
     "dp_and_tp": (8, ["is a DTensor on mesh", "both at once is not supported yet"]),
 }
@@ -138,7 +146,7 @@ REFUSALS = {  # worker record: (launch, what its error must say)
 @pytest.mark.parametrize("what", REFUSALS)
 def test_bad_input_is_refused_before_the_step_saying_why(launches, what):
     """tp ranks passing batches of different shapes; a ShardedTensor parameter; stages=N with no
-    cuts; a DTensor data argument; a parameter sharded over dp and tp at once."""
+    cuts; a pipe_split() call; a DTensor data argument; a parameter sharded over dp and tp at once."""
     world, needles = REFUSALS[what]
     for rec in launches[world]:
         msg = rec[what]

@@ -8,6 +8,8 @@ rank writes `rank{R}.json` with one record per case.
 * constant: a rank-dependent Python constant on stage 0 -> the error every rank raises.
 * transforms: torch.func.grad / vmap around a pipeline -> the error every rank raises.
 * after: the first two pipelines called once more: the group is still usable after the errors.
+* tdp_zoo: tests/tdp_models.py's zoo (pipe_split() calls, a split_spec) against the unsplit
+  functions (tests/test_from_tdp.py reads it).
 * compile_fails: rank 1 raises while tracing and goes on; rank 0 learns why at once.
 
 First, for `tests/test_timeline.py` (it shares this launch: a process group costs seconds to
@@ -23,6 +25,7 @@ report on replica 0 that replica 1 must not see.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -201,6 +204,29 @@ def _timeline(out: str) -> dict[str, Any]:
     return {"schedules": list(TIMELINE_SCHEDULES)}
 
 
+def _tdp_zoo() -> dict[str, Any]:
+    """tests/test_from_tdp.py on 2 ranks: per model (each its own case), this rank's stages, the
+    max errors against the unsplit function's (fp64) per gradient key this rank returns."""
+    from tdp_models import TWO_RANKS
+
+    return {name: _case(functools.partial(_zoo_model, name, opts)) for name, (opts, _) in TWO_RANKS.items()}
+
+
+def _zoo_model(name: str, options: dict[str, Any]) -> dict[str, Any]:
+    from tdp_models import build, forward_ops
+
+    loss, params, data = build(name)
+    piped = fpipe.pipeline(loss, microbatches=MB, timeout=60, **options)
+    value, grads = fpipe.value_and_grad(piped)(params, *data)
+    ref_grads, ref = torch.func.grad_and_value(loss)(params, *data)
+    return {
+        "loss": abs(value.item() - ref.item()),
+        "grads": {k: (g - ref_grads[k]).abs().max().item() for k, g in grads.items()},
+        "stages": piped.local_stages,
+        "ops": {str(s): forward_ops(next(iter(piped._cache.values())))[s] for s in piped.local_stages},
+    }
+
+
 def _case(run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """A case's record, or the error it raised (so each case's test fails on its own)."""
     try:
@@ -260,6 +286,7 @@ def main() -> None:
     record["transforms"] = _case(lambda: _under_transforms(a))
     record["backward"] = _case(lambda: _backward_of_a_call(a))
     record["after"] = _case(lambda: {"a": _max_errors(a, _mlp, 300), "b": _max_errors(b, _other, 301)})
+    record["tdp_zoo"] = _case(_tdp_zoo)
     record["compile_fails"] = _compile_fails(args.out)
     with open(os.path.join(args.out, f"rank{record['rank']}.json"), "w") as f:
         json.dump(record, f)

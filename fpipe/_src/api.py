@@ -230,8 +230,9 @@ def pipeline(
 
     Args:
         f: a pure function `f(params, *args, **kwargs)`; `params` is a pytree of tensors.
-        stages: number of stages. None: one more than the number of `stage_boundary` calls in
-            `f` (or of `cuts`). N with no boundaries in `f`: fpipe chooses N balanced stages.
+        stages: number of stages. None: one more than the number of `stage_boundary` (or
+            torch.distributed.pipelining `pipe_split()`) calls in `f` (or of `cuts`). N with no
+            boundaries in `f`: fpipe chooses N balanced stages.
         microbatches: number of equal chunks each tensor argument is split into.
         schedule: a registered schedule name (`fpipe.schedules.names()`), a `Schedule`, or a
             function `(pp=, microbatches=) -> Schedule`.
@@ -261,8 +262,9 @@ def pipeline(
             first call, and balances what the estimate misjudges, such as attention on CPU).
         cuts: where stages begin, by module path of the model `f` calls through
             `functionalize`, instead of `stage_boundary` calls: `["blocks.4", "blocks.8"]`, a
-            compiled regex over paths, or `{"blocks": 4}` (every 4th entry); NOTE [cuts by
-            module path] in cuts.py.
+            compiled regex over paths, `{"blocks": 4}` (every 4th entry), or
+            torch.distributed.pipelining's split_spec `{"blocks.4": SplitPoint.BEGINNING}`
+            (or `SplitPoint.END`); NOTE [cuts by module path] in cuts.py.
         plan: a `fpipe.plan(...)` result: its stages, cuts, microbatches, schedule (and mesh
             under torchrun, when dp > 1) replace those arguments.
         memory_limit: bytes each rank's step may hold beyond its parameters (`memory`'s

@@ -228,10 +228,10 @@ class Compiler:
                 )
             if found != stages:
                 raise ValueError(
-                    f"{self.cfg.call}: stages={stages} but the function's stage_boundary calls "
-                    f"make {found} stages (the most boundaries on one path from the inputs); pass "
-                    f"stages={found} (or stages=None to follow the boundaries), or remove the "
-                    "stage_boundary calls to let fpipe choose the cuts."
+                    f"{self.cfg.call}: stages={stages} but the function's stage_boundary (or "
+                    f"pipe_split()) calls make {found} stages (the most boundaries on one path from "
+                    f"the inputs); pass stages={found} (or stages=None to follow the boundaries), or "
+                    "remove the calls to let fpipe choose the cuts."
                 )
             return None
         if tp:  # the joint is traced from the function again, not from the cut forward graph

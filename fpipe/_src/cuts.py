@@ -11,14 +11,18 @@ that `fpipe.functionalize` wrapped (`module.named_modules()`). The forms:
 * a list of paths: `["blocks.4", "blocks.8"]`;
 * a compiled regex, matched in full against every path: `re.compile(r"blocks\\.(4|8)")`;
 * `{ModuleList path: k}`: before every k-th entry, `{"blocks": 4}` = blocks.4, blocks.8, ...
-  (`""`: the model itself, an `nn.Sequential`).
+  (`""`: the model itself, an `nn.Sequential`);
+* torch.distributed.pipelining's `split_spec`, `{path: SplitPoint.BEGINNING or SplitPoint.END}`:
+  BEGINNING is the pre-hook above; END passes the module's output tensors through
+  `stage_boundary` (a forward hook), so the next stage begins after the module. One dict may
+  hold both kinds of entry (`{"blocks": 4, "head": SplitPoint.BEGINNING}`).
 
 A path that does not exist is refused with the closest real ones; a rule that matches no
-module is refused; `cuts` together with `stage_boundary` calls in `f` is refused (one way to
-say where stages begin). A model that calls several functionalized modules resolves each path in
-whichever of them has it. A named module that receives no tensor, or a cut that makes no stage
-(inside `torch.func.vmap`, where boundaries are dropped), is refused. A module called twice
-begins a stage at each call.
+module is refused; `cuts` together with `stage_boundary` or `pipe_split()` calls in `f` is
+refused (one way to say where stages begin). A model that calls several functionalized modules
+resolves each path in whichever of them has it. A named module that receives no tensor (or, at
+SplitPoint.END, returns none), or a cut that makes no stage (inside `torch.func.vmap`, where
+boundaries are dropped), is refused. A module called twice begins a stage at each call.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.pipelining import SplitPoint
 
 from . import tree
 from .marker import stage_boundary
@@ -41,27 +46,48 @@ def check_cuts(call: str, cuts: Any) -> None:
     """Refuse a `cuts` argument of the wrong form at `pipeline(...)`."""
     if cuts is None or isinstance(cuts, re.Pattern):
         return
-    if isinstance(cuts, dict):
-        bad = {k: v for k, v in cuts.items() if not isinstance(k, str) or not isinstance(v, int) or v < 1}
-        if not bad:
+    if isinstance(cuts, dict) and cuts:
+        if all(isinstance(k, str) and _entry_ok(v) for k, v in cuts.items()):
             return
     elif isinstance(cuts, (list, tuple)) and cuts and all(isinstance(p, str) for p in cuts):
         return
     raise TypeError(
         f"{call}: cuts={cuts!r} must be a non-empty list of module paths (['blocks.4']), a "
-        "compiled regex over module paths (re.compile(r'blocks\\.(4|8)')), or {ModuleList "
-        "path: k} to cut before every k-th entry ({'blocks': 4})."
+        "compiled regex over module paths (re.compile(r'blocks\\.(4|8)')), {ModuleList "
+        "path: k} to cut before every k-th entry ({'blocks': 4}), or torch.distributed."
+        "pipelining's split_spec ({'layers.4': SplitPoint.BEGINNING}, SplitPoint.END)."
     )
 
 
-def _named(cuts: Any, module: nn.Module) -> list[str]:
-    """The paths `cuts` names in `module` (none, if it names another module's)."""
+def _entry_ok(v: Any) -> bool:
+    """A value of a `cuts` dict: every k-th entry (an int k >= 1) or a `SplitPoint`."""
+    return isinstance(v, SplitPoint) or (isinstance(v, int) and not isinstance(v, bool) and v >= 1)
+
+
+def _named(cuts: Any, module: nn.Module) -> list[tuple[str, SplitPoint]]:
+    """The paths `cuts` names in `module` (none, if it names another module's), each with where
+    the stage begins: before the module (BEGINNING) or after it (END)."""
     paths = [p for p, _ in module.named_modules() if p]
     if isinstance(cuts, re.Pattern):
-        return [p for p in paths if cuts.fullmatch(p)]
+        return [(p, SplitPoint.BEGINNING) for p in paths if cuts.fullmatch(p)]
     if isinstance(cuts, dict):
-        return [p for name, k in cuts.items() for p in _every(module, name, k)]
-    return [p for p in paths if p in set(cuts)]
+        every = [p for name, k in _counts(cuts) for p in _every(module, name, k)]
+        return [(p, SplitPoint.BEGINNING) for p in every] + [
+            (p, cuts[p]) for p in _listed(cuts) if p in paths
+        ]
+    return [(p, SplitPoint.BEGINNING) for p in paths if p in set(cuts)]
+
+
+def _counts(cuts: dict[str, Any]) -> list[tuple[str, int]]:
+    """The `{ModuleList path: k}` entries of a `cuts` dict."""
+    return [(name, k) for name, k in cuts.items() if not isinstance(k, SplitPoint)]
+
+
+def _listed(cuts: Any) -> list[str]:
+    """The module paths `cuts` names one by one (a list, or a split_spec's entries)."""
+    if isinstance(cuts, dict):
+        return [p for p, v in cuts.items() if isinstance(v, SplitPoint)]
+    return [] if isinstance(cuts, re.Pattern) else list(cuts)
 
 
 def _entries(module: nn.Module, name: str) -> nn.ModuleList | nn.Sequential | None:
@@ -99,14 +125,28 @@ class Cutter:
         if any(m is module for m in self.modules):
             return
         self.modules.append(module)
-        for path in _named(self.cuts, module):
-            hook = functools.partial(self._cut, path)
-            self.handles.append(module.get_submodule(path).register_forward_pre_hook(hook, with_kwargs=True))
+        for path, point in _named(self.cuts, module):
+            sub = module.get_submodule(path)
+            if point is SplitPoint.END:
+                after = functools.partial(self._cut_after, path)
+                self.handles.append(sub.register_forward_hook(after))
+            else:
+                hook = functools.partial(self._cut, path)
+                self.handles.append(sub.register_forward_pre_hook(hook, with_kwargs=True))
             self.named.append(path)
 
     def _cut(self, path: str, _module: nn.Module, args: Any, kwargs: Any) -> Any:
         """The module's tensor inputs through one `stage_boundary` (other inputs as they are)."""
-        leaves, spec = tree.flatten((args, kwargs))
+        return self._through(path, (args, kwargs))
+
+    def _cut_after(self, path: str, _module: nn.Module, _args: Any, output: Any) -> Any:
+        """SplitPoint.END: the module's output tensors through one `stage_boundary`."""
+        marked = self._through(path, output)
+        return output if marked is None else marked
+
+    def _through(self, path: str, value: Any) -> Any:
+        """`value` with its tensor leaves through one `stage_boundary`; None if it has none."""
+        leaves, spec = tree.flatten(value)
         at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         if not at:
             self.empty.add(path)
@@ -116,8 +156,9 @@ class Cutter:
             leaves[i] = t
         return tree.unflatten(leaves, spec)
 
-    def check(self, markers: list[Any]) -> None:
-        """After the trace: every cut names a module, took effect, and is the only kind of marker."""
+    def check(self, markers: list[Any], splits: int = 0) -> None:
+        """After the trace: every cut names a module, took effect, and is the only kind of marker
+        (`splits`: the `pipe_split()` calls the trace met)."""
         if not self.modules:
             raise ValueError(
                 f"{self.call}: cuts= names module paths, but the function called no module "
@@ -127,8 +168,15 @@ class Cutter:
         self._check_named()
         if self.empty:
             raise ValueError(
-                f"{self.call}: cuts name module(s) {sorted(self.empty)} that receive no tensor, so "
-                "no stage can begin at them; cut at a module that reads their output instead."
+                f"{self.call}: cuts name module(s) {sorted(self.empty)} that receive no tensor "
+                "(or, at SplitPoint.END, return none), so no stage can begin at them; cut at a "
+                "module that reads their output instead."
+            )
+        if splits:
+            raise ValueError(
+                f"{self.call}: the function calls torch.distributed.pipelining's pipe_split() "
+                f"({splits} call(s)) and passes cuts=; mark stages one way: remove the pipe_split() "
+                "calls, or the cuts argument."
             )
         if self.placed == 0:
             raise ValueError(
@@ -156,17 +204,16 @@ class Cutter:
                 f"({_some(paths)}); the pattern must match a whole path."
             )
         if isinstance(self.cuts, dict):
-            for name, k in self.cuts.items():
+            for name, k in _counts(self.cuts):
                 self._check_every(name, k, names)
-        elif not isinstance(self.cuts, re.Pattern):
-            missing = [p for p in self.cuts if p not in paths]
-            if missing:
-                hints = {p: difflib.get_close_matches(p, paths, n=3, cutoff=0.5) for p in missing}
-                said = "; ".join(f"{p!r} (closest: {hints[p] or _some(paths)})" for p in missing)
-                raise ValueError(
-                    f"{self.call}: cuts names module path(s) that {names} does not have: {said}. "
-                    "Paths are those of module.named_modules()."
-                )
+        missing = [p for p in _listed(self.cuts) if p not in paths]
+        if missing:
+            hints = {p: difflib.get_close_matches(p, paths, n=3, cutoff=0.5) for p in missing}
+            said = "; ".join(f"{p!r} (closest: {hints[p] or _some(paths)})" for p in missing)
+            raise ValueError(
+                f"{self.call}: cuts names module path(s) that {names} does not have: {said}. "
+                "Paths are those of module.named_modules()."
+            )
 
     def _check_every(self, name: str, k: int, names: str) -> None:
         lists = [e for e in (_entries(m, name) for m in self.modules) if e is not None]

@@ -15,7 +15,6 @@ time on the device (`measure.py`), rescaled to the same units.
 
 from __future__ import annotations
 
-import math
 import operator
 from collections.abc import Callable
 from typing import Any
@@ -23,7 +22,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .marker import BOUNDARY
+from .cut_at import activations, insert_marker
 from .split import count_stages
 from .trace import Forward
 
@@ -68,16 +67,6 @@ def node_cost(node: fx.Node) -> float:
     return _ELEMENT_WEIGHT * numel
 
 
-def _activations(nodes: list[fx.Node], n_params: int, n_data: int) -> set[fx.Node]:
-    """Nodes that depend on the data inputs (the rest can be recomputed by any stage)."""
-    phs = [n for n in nodes if n.op == "placeholder"]
-    act = set(phs[n_params : n_params + n_data])
-    for n in nodes:
-        if n.op == "call_function" and any(d in act for d in n.all_input_nodes):
-            act.add(n)
-    return act
-
-
 def auto_partition(
     call: str, fwd: Forward, n_stages: int, measure: Callable[[], dict[fx.Node, float]] | None = None
 ) -> list[float]:
@@ -88,7 +77,7 @@ def auto_partition(
     graph = fwd.gm.graph
     graph.eliminate_dead_code()  # dead work is neither costed nor sent between stages
     nodes = list(graph.nodes)
-    act = _activations(nodes, fwd.n_params, fwd.n_data)
+    act = activations(nodes, fwd.n_params, fwd.n_data)
     index = {n: i for i, n in enumerate(nodes)}
     cost = [node_cost(n) if n in act else 0.0 for n in nodes]
     if measure is not None:
@@ -125,7 +114,7 @@ def auto_partition(
         cuts.append(best)
         lo = best + 1
     for i in reversed(cuts):
-        _insert_marker(graph, nodes, index, act, i)
+        insert_marker(graph, nodes, index, act, i)
     fwd.gm.recompile()
     made = count_stages(graph)
     if made != n_stages:  # the markers above make every cut a stage; this guards that reasoning
@@ -163,26 +152,3 @@ def _liveness(
         live.append(acc)
         cuttable.append(acc_bad == 0 and acc > 0 and nodes[i].op == "call_function")
     return live, cuttable
-
-
-def _insert_marker(
-    graph: fx.Graph, nodes: list[fx.Node], index: dict[fx.Node, int], act: set[fx.Node], i: int
-) -> None:
-    # Data inputs read after the cut cross it too: otherwise work that reads only inputs would be
-    # free to sit on an earlier stage, and parallel branches from the inputs could collapse two
-    # cuts into one stage.
-    crossing = [
-        n
-        for n in nodes[:i]
-        if n in act
-        and any(index.get(u, math.inf) >= i for u in n.users)
-        and isinstance(_val(n), torch.Tensor)
-    ]
-    with graph.inserting_before(nodes[i]):
-        marker = graph.call_function(BOUNDARY, ([*crossing],))
-        outs = [graph.call_function(operator.getitem, (marker, j)) for j in range(len(crossing))]
-    for src, out in zip(crossing, outs):
-        out.meta["val"] = _val(src)
-        src.replace_all_uses_with(
-            out, delete_user_cb=lambda u: u is not marker and index.get(u, math.inf) >= i
-        )

@@ -40,6 +40,7 @@ import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
 from . import tree
+from .cut_at import refuse_pipe_splits
 from .cuts import Cutter
 from .trace import Forward, Joint, flat_function, functional, lift_constants, run_trace
 
@@ -156,6 +157,10 @@ def trace_joint_tp(
 
     cutter = Cutter(call, cuts) if cuts is not None else None
     gm, _ = run_trace(call, joint, fakes, cutter)
+    why = (
+        "a tensor-parallel function's gradient is traced in one piece (its backward after all of its forward)"
+    )
+    refuse_pipe_splits(call, gm, why)  # NOTE [pipe_split] in cut_at.py
     _align_consts(call, gm, lift_constants(gm), fwd.consts)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     gm = functional(gm, [n.meta["val"] for n in placeholders])

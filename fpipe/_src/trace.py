@@ -43,6 +43,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from . import tree
 from .captured import RefuseCapturedReads
+from .cut_at import is_pipe_split, pipe_splits_to_markers
 from .cuts import Cutter
 from .frames import user_line
 from .marker import BOUNDARY, BOUNDARY_BWD, boundary_apply, boundary_bwd_apply
@@ -318,16 +319,19 @@ def trace_forward(
 ) -> Forward:
     """Trace `f(*rebuild(leaves))` into a flat, functional forward graph (see `_functional`);
     `device`: where meta constants are traced (the data's device); `cuts`: module paths where
-    stages begin (NOTE [cuts by module path] in cuts.py)."""
+    stages begin (NOTE [cuts by module path] in cuts.py); `pipe_split()` calls become markers
+    (NOTE [pipe_split] in cut_at.py)."""
     out_spec: list[Any] = []
     cutter = Cutter(call, cuts) if cuts is not None else None
     gm, state = run_trace(call, flat_function(call, f, rebuild, out_spec), fakes, cutter)
     if cutter is not None:
-        cutter.check(gm.graph.find_nodes(op="call_function", target=BOUNDARY))
+        splits = sum(1 for n in gm.graph.nodes if is_pipe_split(n))
+        cutter.check(gm.graph.find_nodes(op="call_function", target=BOUNDARY), splits)
     consts = lift_constants(gm)
     sources = [state.sources.get(id(c)) for c in consts]
     mode = detect_fake_mode(fakes) or FakeTensorMode(allow_non_fake_inputs=True)
     gm = functional(gm, [*fakes, *(fake_like(mode, c, device) for c in consts)])
+    pipe_splits_to_markers(call, gm, n_params, len(fakes) - n_params)  # NOTE [pipe_split] in cut_at.py
     _refuse_captured_writes(call, gm, len(fakes), consts, sources)
     return Forward(gm, n_params, len(fakes) - n_params, consts, out_spec[0], sources)
 

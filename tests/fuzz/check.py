@@ -289,7 +289,8 @@ def steps(
             opt.step()
         ref.update(want_grads[0] if ex.grad_x else want_grads)
         if step == 1 and ex.save_load:
-            params, opt = _round_trip(tmp, params, opt, piped)
+            params, opt = _round_trip(tmp, params, opt, piped, b.module)
+            initial = {k: v.clone() for k, v in b.module.named_buffers()}  # as loaded, on every rank
     compare(
         "after:params",
         {k: params[k] for k in _have(pgrads)},
@@ -345,10 +346,16 @@ def _drop_none(grads: Any) -> Any:
     return {k: v for k, v in grads.items() if v is not None}
 
 
-def _round_trip(tmp: Path, params: dict[str, torch.Tensor], opt: Any, piped: Any) -> tuple[Any, Any]:
-    """fpipe.save, then fpipe.load into fresh tensors and a fresh optimizer (on every rank, one
+def _round_trip(
+    tmp: Path, params: dict[str, torch.Tensor], opt: Any, piped: Any, module: torch.nn.Module
+) -> tuple[Any, Any]:
+    """fpipe.save of the parameters, optimizer and buffers; then the buffers are overwritten and
+    all of it is loaded into fresh tensors, a fresh optimizer and the module (on every rank, one
     with no optimizer too: both are collective)."""
-    fpipe.save(tmp / "ckpt", params, optimizer=opt, pipeline=piped)
+    fpipe.save(tmp / "ckpt", params, optimizer=opt, buffers=module, pipeline=piped)
+    with torch.no_grad():
+        for b in module.buffers():
+            b.fill_(3)  # what the load must overwrite
     fresh = {k: torch.zeros_like(v) for k, v in params.items()}
     opt2 = None
     if opt is not None:
@@ -356,7 +363,7 @@ def _round_trip(tmp: Path, params: dict[str, torch.Tensor], opt: Any, piped: Any
         opt2 = torch.optim.SGD(
             [fresh[k] for k, v in params.items() if id(v) in mine], lr=LR, momentum=MOMENTUM
         )
-    fpipe.load(tmp / "ckpt", fresh, optimizer=opt2, pipeline=piped)
+    fpipe.load(tmp / "ckpt", fresh, optimizer=opt2, buffers=module, pipeline=piped)
     return fresh, opt2
 
 

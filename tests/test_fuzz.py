@@ -29,15 +29,23 @@ RANKS = 2
 # Left out of the CI draw, each with the reason (docs/FUZZING.md lists them). A feature, or
 # features joined by "+": an example with all of them is drawn again without the last one.
 # Empty: every feature and combination is fuzzed.
-EXCLUDED: dict[str, str] = {}
+EXCLUDED: dict[str, str] = {
+    "int_aux": "issue 24 case 14: an integer aux output comes back as a float (averaged; read as int64 bits on ranks)",
+    "buffer_rw+memory_limit": "issue 24 case 1: a buffer written in place, then read by a recomputed value",
+    "bn_train+memory_limit": "issue 24 case 2: a recomputed BatchNorm updates its running statistics again",
+    "bn_eval+sum_loss": "a sum loss after an eval-mode BatchNorm is averaged over microbatches (docs/FUZZING.md)",
+}
 ENABLED = set(FEATURES) - {k for k in EXCLUDED if "+" not in k}
 
 
 def ci_draw(i: int, world: int = 1) -> Example:
-    ex = draw(SEED, i, ENABLED, world)
-    for combo in (k.split("+") for k in EXCLUDED if "+" in k):
-        if set(combo) <= ex.features:
-            ex = draw(SEED, i, ENABLED - {combo[-1]}, world)
+    """Example i of the CI range: drawn again without an excluded combination's last feature
+    until it holds no excluded combination."""
+    features = set(ENABLED)
+    ex = draw(SEED, i, features, world)
+    while hit := [c for c in (k.split("+") for k in EXCLUDED if "+" in k) if set(c) <= ex.features]:
+        features.discard(hit[0][-1])
+        ex = draw(SEED, i, features, world)
     return ex
 
 
@@ -76,6 +84,7 @@ def test_the_ci_range_covers_every_enabled_feature():
     exs = [ci_draw(i) for i in range(EXAMPLES)] + [ci_draw(i, RANKS) for i in range(DIST_EXAMPLES)]
     feats = collections.Counter(f for ex in exs for f in ex.features)
     assert all(feats[f] >= 5 for f in ENABLED), feats
+    assert not [ex for ex in exs for k in EXCLUDED if set(k.split("+")) <= ex.features]
     assert {ex.schedule for ex in exs} == set(fpipe.schedules.names())
 
 

@@ -48,9 +48,9 @@ import torch
 import torch.fx as fx
 from torch.fx._lazy_graph_module import _LazyGraphModule  # code made at its first run
 
+from .effects import is_mutating, written_inputs
 from .rng import seeded
 from .staged import Place, Program, Staged
-from .trace import is_mutating
 
 __all__ = [
     "Drop",
@@ -62,6 +62,7 @@ __all__ = [
     "recompute_nodes",
     "stops",
     "tagged",
+    "written_names",
 ]
 
 Drop = tuple[Place, str]  # program P recomputes value v
@@ -110,18 +111,45 @@ def _names(prog: Program) -> dict[fx.Node, str]:
     return prog.__dict__["_fpipe_names"]  # type: ignore[no-any-return]
 
 
+def written_names(st: Staged) -> frozenset[str]:
+    """The inputs of the step that one of its programs writes (a buffer's counter, BatchNorm's
+    running statistics: NOTE [effects] in effects.py), found once per `st`."""
+    got = st.__dict__.get("_fpipe_written")
+    if got is None:
+        names: set[str] = set()
+        for prog in st.programs.values():
+            mine = written_inputs(prog.gm.graph)
+            phs = prog.gm.graph.find_nodes(op="placeholder")
+            names.update(name for name, n in zip(prog.inputs, phs) if n in mine)
+        got = st.__dict__["_fpipe_written"] = frozenset(names)
+    return got  # type: ignore[no-any-return]
+
+
 class _Walk:
     """What P needs to recompute value(s) of Q: the Q nodes to copy and the values to read.
-    `keep`: Q's values (by node name; Q an F) the walk stops at though Q may not return them."""
+    `keep`: Q's values (by node name; Q an F) the walk stops at though Q may not return them.
+    `written`: the step's inputs some program writes (`written_names`): a copy reading one would
+    read it after the write, so the walk stops at the value of F that reads it (F returns it,
+    computed before the write, as the split computes such a value once and sends it) and fails
+    where it cannot (Q is not an F, or the reader is itself not one tensor)."""
 
-    def __init__(self, q: Program, stop: set[str], keep: frozenset[str] = frozenset()) -> None:
-        self.q, self.stop, self.keep, self.name = q, stop, keep, _names(q)
+    def __init__(
+        self,
+        q: Program,
+        stop: set[str],
+        keep: frozenset[str] = frozenset(),
+        written: frozenset[str] = frozenset(),
+    ) -> None:
+        self.q, self.stop, self.keep, self.name, self.written = q, stop, keep, _names(q), written
         self.copy: dict[fx.Node, None] = {}  # Q nodes to copy, in Q's order once sorted
         self.read: dict[fx.Node, None] = {}  # Q nodes whose values P reads
         self.ok = True
 
     def visit(self, node: fx.Node) -> None:
         if node in self.copy or node in self.read:
+            return
+        if node.op == "placeholder" and self.name.get(node) in self.written:
+            self.ok = False  # read by a reader below that could not be kept
             return
         if (
             node.op == "placeholder"
@@ -134,9 +162,17 @@ class _Walk:
         if not recomputable(node):
             self.ok = False
             return
+        if self._reads_written(node):
+            self.read[node] = None  # kept: computed before the write (NOTE [effects])
+            return
         self.copy[node] = None
         for d in node.all_input_nodes:
             self.visit(d)
+
+    def _reads_written(self, node: fx.Node) -> bool:
+        """Does `node` read an input the step writes, and can Q (an F) return its value?"""
+        reads = any(d.op == "placeholder" and self.name.get(d) in self.written for d in node.all_input_nodes)
+        return reads and self.q.place[0] == "F" and isinstance(node.meta.get("val"), torch.Tensor)
 
 
 def region_inputs(q: Program) -> set[fx.Node]:
@@ -155,10 +191,15 @@ def _region(n: fx.Node) -> Any:
 
 
 def recompute_nodes(
-    q: Program, names: Iterable[str], stop: set[str], keep: frozenset[str] = frozenset()
+    q: Program,
+    names: Iterable[str],
+    stop: set[str],
+    keep: frozenset[str] = frozenset(),
+    written: frozenset[str] = frozenset(),
 ) -> _Walk:
-    """The walk back from Q's values `names` to `stop` (and Q's inputs, region inputs, `keep`)."""
-    walk, nodes = _Walk(q, stop, keep), node_of(q)
+    """The walk back from Q's values `names` to `stop` (and Q's inputs, region inputs, `keep`),
+    never copying a read of `written` (`written_names`)."""
+    walk, nodes = _Walk(q, stop, keep, written), node_of(q)
     for v in names:
         walk.visit(nodes[v])
     return walk
@@ -178,7 +219,7 @@ def stops(st: Staged, p: Place, dropped: set[str], drops: set[Drop]) -> set[str]
 def candidates(st: Staged, stages: Iterable[int]) -> list[Drop]:
     """Every (P, v) a backward program of `stages` could recompute: v made by the stage's F (or
     I, for W) and not a step output, all of its operations recomputable."""
-    returned = set(st.out_names)
+    returned, written = set(st.out_names), written_names(st)
     out = []
     for s in stages:
         for kind in _BACKWARD:
@@ -190,7 +231,9 @@ def candidates(st: Staged, stages: Iterable[int]) -> list[Drop]:
                 if q is None or q[1] != s or q == prog.place or v in returned:
                     continue
                 if q[0] == "F" or (q[0] == "I" and kind == "W"):
-                    walk = recompute_nodes(st.programs[q], [v], stops(st, prog.place, {v}, set()))
+                    walk = recompute_nodes(
+                        st.programs[q], [v], stops(st, prog.place, {v}, set()), written=written
+                    )
                     if walk.ok and walk.copy:
                         out.append((prog.place, v))
     return out
@@ -293,7 +336,7 @@ def _recompute_in(st: Staged, p: Place, names: set[str], drops: set[Drop], keep:
     stop = stops(st, p, names, drops)
     for q, vs in by_q.items():
         qprog = st.programs[q]
-        walk = recompute_nodes(qprog, vs, stop, keep if q[0] == "F" else frozenset())
+        walk = recompute_nodes(qprog, vs, stop, keep if q[0] == "F" else frozenset(), written_names(st))
         if not walk.ok:
             continue
         qnames = dict(_names(qprog))

@@ -44,6 +44,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from . import tree
 from .captured import RefuseCapturedReads
 from .cuts import Cutter
+from .effects import is_mutating
 from .frames import user_line
 from .marker import BOUNDARY, BOUNDARY_BWD, boundary_apply, boundary_bwd_apply
 
@@ -189,12 +190,6 @@ def _hoist_input_writes(gm: fx.GraphModule) -> None:
         if order[anchor] < order[node]:
             anchor.append(node)
     gm.recompile()
-
-
-def is_mutating(node: fx.Node) -> bool:
-    """Does `node` write into one of its arguments (an in-place op, a `copy_` into an input)?"""
-    schema = getattr(node.target, "_schema", None)
-    return bool(node.op == "call_function" and schema is not None and schema.is_mutable)
 
 
 def _drop_same_copies(gm: fx.GraphModule) -> None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import sys
 import traceback
 import warnings
 import weakref
@@ -40,6 +41,7 @@ from typing import Any
 import torch
 import torch.fx.traceback as fx_traceback
 import torch.utils._pytree as pytree
+import torch.utils.checkpoint
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -68,6 +70,20 @@ def _is_checkpoint(pack: Any) -> bool:
     return "_checkpoint_hook" in getattr(pack, "__qualname__", "")
 
 
+_REENTRANT = torch.utils.checkpoint.CheckpointFunction.forward.__code__
+
+
+def _reentrant_region() -> Any:
+    """The innermost `use_reentrant=True` checkpoint running now (its autograd context), found
+    on the Python stack: it installs no hook, its forward runs the region under `no_grad`."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is _REENTRANT:
+            return frame.f_locals.get("ctx")
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
 _READ = torch.ops.aten._local_scalar_dense.default
 _LITERALS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
 
@@ -88,6 +104,9 @@ class RefuseCapturedReads(TorchDispatchMode):
         regions = _REGIONS.get()
         if hooks is not None and _is_checkpoint(hooks[0]) and regions is not None:
             return self._in_region(regions, hooks[0], func, types, args, kwargs)
+        reentrant = _reentrant_region() if regions is not None else None
+        if reentrant is not None:
+            return self._in_region(regions, reentrant, func, types, args, kwargs)  # type: ignore[arg-type]
         if not self.hooks_seen and hooks is not None:
             self.hooks_seen = True
             _warn_hooks(self.call)
@@ -161,13 +180,13 @@ def _warn_hooks(call: str) -> None:
 
 
 def warn_lost_regions(call: str) -> None:
-    """Checkpoint regions were traced but their tags did not reach the joint graph (a function
-    that writes its inputs is traced again without them): say nothing is recomputed."""
+    """Checkpoint regions were traced but none of their tags reached the joint graph: say that
+    nothing is recomputed (a safety net: every trace carries the tags, NOTE [checkpointed
+    regions])."""
     warnings.warn(
-        f"{call}: the function has torch.utils.checkpoint regions, but it also writes its inputs "
-        "(a BatchNorm's running statistics, an in-place update of a buffer), and fpipe's second "
-        "trace of such a function loses the regions: the gradients are exact, but the regions' "
-        "values are kept for the backward, not recomputed. pipeline(..., memory_limit=bytes) "
-        "chooses what to recompute without the regions.",
+        f"{call}: the function has torch.utils.checkpoint regions, but fpipe lost track of "
+        "them while tracing: the gradients are exact, but the regions' values are kept for the "
+        "backward, not recomputed. pipeline(..., memory_limit=bytes) chooses what to recompute "
+        "without the regions.",
         stacklevel=2,
     )

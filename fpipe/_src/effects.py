@@ -38,6 +38,7 @@ __all__ = [
     "READS_STATE",
     "is_mutating",
     "output_alias",
+    "replay",
     "written",
     "written_inputs",
     "writes",
@@ -136,6 +137,28 @@ def writes(node: fx.Node) -> list[Any]:
         if when is None or _value(node, schema, when):
             out += [_value(node, schema, n) for n in names]
     return [v for v in out if v is not None]
+
+
+def replay(node: fx.Node) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """The arguments to run `node` again (a recomputation's copy) without its writes, or None
+    when it cannot be: an operation that only reads runs as it is; one that hides a write into
+    optional arguments (BatchNorm's running statistics in training) runs with None there --
+    the same outputs (training normalises by the batch's statistics), no update; one that
+    declares a write is never run again."""
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None:
+        return node.args, dict(node.kwargs)
+    if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+        return None
+    args, kwargs = list(node.args), dict(node.kwargs)
+    if writes(node):
+        for name in HIDDEN_WRITES[schema.name][0]:
+            i = next(i for i, a in enumerate(schema.arguments) if a.name == name)
+            if i < len(args):
+                args[i] = None
+            else:
+                kwargs[name] = None
+    return tuple(args), kwargs
 
 
 def is_mutating(node: fx.Node) -> bool:

@@ -48,7 +48,7 @@ import torch
 import torch.fx as fx
 from torch.fx._lazy_graph_module import _LazyGraphModule  # code made at its first run
 
-from .effects import is_mutating, written_inputs
+from .effects import is_mutating, replay, written_inputs
 from .rng import seeded
 from .staged import Place, Program, Staged
 
@@ -77,8 +77,9 @@ def tagged(node: fx.Node) -> bool:
 
 def recomputable(node: fx.Node) -> bool:
     """May this operation run again inside a backward program? Pure aten/prims operations and
-    seeded random ones; never a write into an input or a collective."""
-    if node.op != "call_function" or is_mutating(node):
+    seeded random ones; never a write (BatchNorm in training runs again without its statistics'
+    update: `effects.replay`) or a collective."""
+    if node.op != "call_function" or replay(node) is None:
         return False
     t = node.target
     if t is operator.getitem or t is seeded:
@@ -166,13 +167,31 @@ class _Walk:
             self.read[node] = None  # kept: computed before the write (NOTE [effects])
             return
         self.copy[node] = None
-        for d in node.all_input_nodes:
+        for d in _reads(node):
             self.visit(d)
 
     def _reads_written(self, node: fx.Node) -> bool:
         """Does `node` read an input the step writes, and can Q (an F) return its value?"""
-        reads = any(d.op == "placeholder" and self.name.get(d) in self.written for d in node.all_input_nodes)
+        reads = any(d.op == "placeholder" and self.name.get(d) in self.written for d in _reads(node))
         return reads and self.q.place[0] == "F" and isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def _reads(node: fx.Node) -> list[fx.Node]:
+    """The values a copy of `node` reads (`effects.replay`: not the statistics BatchNorm's
+    copy no longer updates)."""
+    args = replay(node)
+    assert args is not None, node
+    out: dict[fx.Node, None] = {}
+    fx.map_arg(args, out.setdefault)
+    return list(out)
+
+
+def _copy(g: fx.Graph, n: fx.Node, env: dict[fx.Node, fx.Node]) -> fx.Node:
+    """`n` copied into `g` as it runs again (`effects.replay`), reading `env`'s values."""
+    args, kwargs = fx.map_arg(replay(n), env.__getitem__)  # type: ignore[arg-type]
+    new = g.create_node("call_function", n.target, args, kwargs)  # type: ignore[arg-type]
+    new.meta = dict(n.meta)
+    return new
 
 
 def region_inputs(q: Program) -> set[fx.Node]:
@@ -361,7 +380,7 @@ def _recompute_in(st: Staged, p: Place, names: set[str], drops: set[Drop], keep:
         copies = []
         with g.inserting_before(first):
             for n in sorted(walk.copy, key=lambda n: qorder.get(n, -1)):
-                env[n] = g.node_copy(n, env.__getitem__)
+                env[n] = _copy(g, n, env)
                 copies.append(env[n])
         for v in vs:
             if node_of(qprog)[v] in walk.read:  # a region's input as well: kept (and read)

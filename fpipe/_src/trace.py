@@ -168,7 +168,9 @@ def functional(gm: fx.GraphModule, fakes: Sequence[torch.Tensor]) -> fx.GraphMod
     if not any(is_mutating(n) for n in gm.graph.nodes):
         return gm
     plain = [f.detach() for f in fakes]
-    functional = torch.func.functionalize(gm, remove="mutations")
+    # run node by node: each node's meta (a checkpoint region's tag) reaches the nodes it
+    # becomes, inside `following_checkpoints` (NOTE [checkpointed regions] in captured.py)
+    functional = torch.func.functionalize(fx.Interpreter(gm).run, remove="mutations")
     out = make_fx(functional, tracing_mode="fake", _allow_non_fake_inputs=True)(*plain)
     _drop_same_copies(out)
     _hoist_input_writes(out)

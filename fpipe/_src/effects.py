@@ -106,7 +106,10 @@ READS_STATE: dict[str, str] = {
     "aten::_fused_sgd_": "writes only what its schema marks; `found_inf` is read",
     "aten::_cudnn_rnn": "reads the dropout state cuDNN initialised (`_cudnn_init_dropout_state`)",
     "aten::miopen_rnn": "reads the dropout state MIOpen initialised",
-    "aten::_sobol_engine_draw": "reads the Sobol state (`_sobol_engine_ff_` marks its write)",
+    **dict.fromkeys(
+        ["aten::_sobol_engine_draw", "aten::_sobol_engine_ff_"],
+        "reads `sobolstate` (the quasi-random state `self` is marked written)",
+    ),
 }
 
 

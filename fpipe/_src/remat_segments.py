@@ -33,7 +33,8 @@ import torch.fx as fx
 
 from .memory_graph import id_of, storage_bytes
 from .partition import node_cost
-from .remat import Drop, Keep, node_of, recompute_nodes, stops, written_names
+from .remat import Drop, Keep, stops
+from .remat_walk import node_of, recompute_nodes, written_names
 from .staged import Place, Program, Staged
 
 __all__ = ["Costs", "Unit", "anchors", "storage_key", "units"]

@@ -17,14 +17,19 @@ is refused by the tracer itself (NOTE [tracing is specialisation] in trace.py).
 # NOTE [checkpointed regions]
 fpipe's programs keep and free their values themselves, so saved-tensor hooks never run in
 them. A non-reentrant `torch.utils.checkpoint` region is seen while tracing by its hooks being
-active (its pack hook is `_checkpoint_hook`'s): inside `following_checkpoints()` (the
+active (its pack hook is `_checkpoint_hook`'s), a reentrant one (`use_reentrant=True`, no hook) by
+its `CheckpointFunction.forward` being on the Python stack: inside `following_checkpoints()` (the
 compiler's traces), every operation traced under them gets `meta["recompute"]` (the region's
 number), which the joint trace carries to the joint graph's forward operations (the replay
-runs under `fx.traceback.preserve_node_meta`), and remat.py recomputes the saved values those
+runs under `fx.traceback.preserve_node_meta`, and so does the functional re-trace of a graph
+with in-place operations or dropout, NOTE [functional graphs] in trace.py), and remat.py
+recomputes the saved values those
 operations make inside the backward program, keeping the region's inputs: each region is
 recomputed from its own inputs (the output of the region before it is one of them, kept, not
-recomputed too), just before its backward, as `torch.utils.checkpoint` does. Any other
-saved-tensor hook (offloading to the host) is warned about: nothing is offloaded.
+recomputed too), just before its backward, as `torch.utils.checkpoint` does -- except that a
+write in the region runs once (BatchNorm's statistics: NOTE [effects] in effects.py), where
+eager checkpoint would update them again. Any other saved-tensor hook (offloading to the host)
+is warned about: nothing is offloaded.
 """
 
 from __future__ import annotations
@@ -166,14 +171,14 @@ def _known(t: torch.Tensor) -> bool:
 
 def _warn_hooks(call: str) -> None:
     """A saved-tensor hook other than a followed `torch.utils.checkpoint` (offloading to the
-    host, a reentrant or untraced checkpoint) is active inside the traced function: fpipe's
-    programs keep and free their values themselves, so it never runs."""
+    host; a checkpoint traced outside `following_checkpoints`) is active inside the traced
+    function: fpipe's programs keep and free their values themselves, so it never runs."""
     warnings.warn(
         f"{call}: the function runs saved-tensor hooks (offloading with "
         "torch.autograd.graph.saved_tensors_hooks, or a checkpoint fpipe cannot follow). fpipe "
         "traces through them: the gradients are exact, but the values are kept for the "
         "backward, not offloaded or recomputed, so no memory is saved. fpipe recomputes "
-        "torch.utils.checkpoint(..., use_reentrant=False) regions; pipeline(..., "
+        "torch.utils.checkpoint regions (reentrant or not); pipeline(..., "
         "memory_limit=bytes) chooses what to recompute itself.",
         stacklevel=2,
     )

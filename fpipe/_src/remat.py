@@ -17,8 +17,13 @@ operations cut out of the joint graph), run the other way.
 The copies are the traced operations themselves, so the recomputed values are bit-identical:
 a random operation (dropout) is a `rng.seeded` call keyed by (step, microbatch, its index in
 the joint graph), and its copy in P draws the same mask (NOTE [random-number policy] in
-rng.py). Operations that write their inputs, collectives and anything not an aten/prims
-operation are never copied: a value that needs one is not dropped (`recomputable`).
+rng.py). Whether an operation may run again, and what a copy may read, is the effects
+analysis's answer (NOTE [effects] in effects.py; the walk is remat_walk.py): an operation that
+writes is never copied, except BatchNorm in training, copied without its running statistics
+(the same outputs, no second update); a copy never reads an input the step writes (a buffer
+`self.step.add_(1)` updates) -- the walk stops at the value of F computed from it before the
+write, which F returns; collectives and anything not an aten/prims operation are never
+copied: a value that needs one is not dropped (`recomputable`).
 
 Regions the user wrapped in `torch.utils.checkpoint` (NOTE [checkpointed regions] in
 captured.py) arrive with `meta["recompute"]` on their forward operations: every saved value

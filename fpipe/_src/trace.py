@@ -160,6 +160,9 @@ def run_trace(
 # (nothing mutates them any more), so the partition's cost model and the runtime's matrix-product
 # accumulation still see `t`/`view`. The re-trace runs on the already-traced aten graph, where the
 # boundary markers are plain custom ops: functionalize cannot run an autograd.Function itself.
+# It runs the graph node by node (an `fx.Interpreter`), so each node's meta -- a checkpoint
+# region's tag -- reaches the nodes it becomes (NOTE [checkpointed regions] in captured.py).
+# Which nodes write is effects.py's answer (NOTE [effects]).
 
 
 def functional(gm: fx.GraphModule, fakes: Sequence[torch.Tensor]) -> fx.GraphModule:

@@ -369,3 +369,14 @@ def test_reentrant_checkpoint_regions_are_recomputed():
     assert mem == _blocks("non-reentrant")[0] < 0.85 * _blocks(None)[0]
     torch.testing.assert_close(grads, _blocks(None)[1])
     assert _recomputed(piped, 0) > 0 and _recomputed(piped, 1) > 0
+
+
+def test_regions_lost_in_tracing_would_be_said_truthfully(monkeypatch):
+    """The safety net: were a trace to lose every region's tag, the warning says so (and nothing
+    about writes, which no longer lose them)."""
+    from fpipe._src import compiler
+
+    monkeypatch.setattr(compiler, "tagged", lambda node: False)
+    with pytest.warns(UserWarning, match="fpipe lost track of them while tracing") as got:
+        _blocks("non-reentrant")
+    assert "writes" not in str(got[0].message)

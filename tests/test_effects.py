@@ -19,6 +19,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 import torch.utils.checkpoint as checkpoint
 from models import ConvBN, StepCounter
+from torch.fx.experimental.proxy_tensor import make_fx
 
 import fpipe
 from fpipe._src import effects, kv_writes, measure, memory_graph, remat, remat_walk, split, split_iw, trace
@@ -89,12 +90,12 @@ def test_hidden_writes_name_optional_arguments_of_real_operations():
 
 
 def _make_fx(f: Any, args: tuple[torch.Tensor, ...]) -> fx.GraphModule:
-    from torch.fx.experimental.proxy_tensor import make_fx
-
     return make_fx(f)(*args)
 
 
 def test_writes_are_the_schemas_and_batchnorms_hidden_ones():
+    """BatchNorm writes its running statistics in training only, and runs again without them;
+    a `copy_` into an input writes it (and never runs again); the memory walk's alias."""
     x, rm, rv = torch.randn(4, 3), torch.zeros(3), torch.ones(3)
 
     def f(x, rm, rv, training):

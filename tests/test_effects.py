@@ -150,6 +150,29 @@ def test_split_computes_a_read_of_running_statistics_once():
     torch.testing.assert_close(got, f(params, x), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("auto", [False, True], ids=["boundary", "partition"])
+def test_a_batchnorm_run_for_its_statistics_alone_is_never_dropped(auto):
+    """The split and the automatic partition drop dead work, never a write: a BatchNorm whose
+    output nothing reads still updates its running statistics (base: not updated, its counter
+    was)."""
+    torch.manual_seed(0)
+    bn = torch.nn.BatchNorm1d(8).to(DT)
+    ref = copy.deepcopy(bn)
+    fn, params = fpipe.functionalize(bn)
+    params = {**params, "w": torch.randn(8, 8, dtype=DT)}
+    x = torch.randn(16, 8, dtype=DT)
+
+    def f(p, x):
+        fn({k: v for k, v in p.items() if k != "w"}, x)  # for its statistics only
+        h = torch.tanh(x @ p["w"])
+        return torch.tanh((h if auto else fpipe.stage_boundary(h)) @ p["w"]).pow(2).mean()
+
+    fpipe.value_and_grad(fpipe.pipeline(f, microbatches=2, stages=2 if auto else None))(params, x)
+    for xb in x.chunk(2):
+        ref(xb)
+    torch.testing.assert_close(dict(bn.named_buffers()), dict(ref.named_buffers()), rtol=0, atol=1e-15)
+
+
 def test_zero_bubble_keeps_batchnorm_statistics_exact():
     """The I/W split (zero-bubble schedules) and the split: the running statistics after a step
     equal the unsplit module's, microbatch by microbatch."""

@@ -2,8 +2,9 @@
 
 # NOTE [effects]
 Every pass that copies, moves, reorders or drops operations asks this module, and only it,
-whether an operation writes: the split (a writer is never copied; a value computed from an
-input the step writes is computed once), the I/W split (writers stay in I), recomputation (a
+whether an operation writes: the split and the automatic partition (a writer is never dead
+work, never copied; a value computed from an input the step writes is computed once), the I/W
+split (writers stay in I), recomputation (a
 writer is never run again, and a copy never reads an input a writer changes: it would read the
 new value, `remat.py`), checkpoint regions (the same walk), the memory walk (a write aliases
 what it writes), the operation timer (a writer runs on a copy of what it writes) and the

@@ -22,7 +22,18 @@ from models import ConvBN, StepCounter
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fpipe
-from fpipe._src import effects, kv_writes, measure, memory_graph, remat, remat_walk, split, split_iw, trace
+from fpipe._src import (
+    effects,
+    kv_writes,
+    measure,
+    memory_graph,
+    partition,
+    remat,
+    remat_walk,
+    split,
+    split_iw,
+    trace,
+)
 from fpipe._src.rng import seeded
 
 DT = torch.float64
@@ -118,7 +129,7 @@ def test_writes_are_the_schemas_and_batchnorms_hidden_ones():
 def test_every_consumer_asks_the_effects_module():
     """One answer: the passes that copy, move or drop operations import it, none keeps its own."""
     assert split.is_mutating is split_iw.is_mutating is remat.is_mutating is effects.is_mutating
-    assert remat_walk.replay is effects.replay
+    assert remat_walk.replay is effects.replay and partition.is_mutating is effects.is_mutating
     assert split.written_inputs is remat_walk.written_inputs is effects.written_inputs
     assert measure.written is effects.written and memory_graph.output_alias is effects.output_alias
     assert kv_writes.writes is effects.writes

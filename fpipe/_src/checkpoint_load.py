@@ -67,24 +67,26 @@ def load(
         return hf.load_pretrained(call, path, params, names, bufs, optimizer)
     for _ in range(3):
         where = files.resolve(call, path)
-        opened = files.Opened(call, where)
+        seen = _inode(where)
         try:
-            return _Load(call, opened, params, names, bufs, optimizer, pipeline, buffers).run()
+            opened = files.Opened(call, where)
+            try:
+                return _Load(call, opened, params, names, bufs, optimizer, pipeline, buffers).run()
+            finally:
+                opened.close()
         except (OSError, ValueError):
-            if _same_dir(where, opened.fd):
+            if _inode(where) == seen:  # not replaced by a publish meanwhile: the error stands
                 raise
-        finally:
-            opened.close()
     raise CheckpointError(f"{call}: {path} was replaced three times while it was read; load it again.")
 
 
-def _same_dir(path: Path, fd: int) -> bool:
-    """Is the directory opened still the one at `path` (not replaced by a publish meanwhile)?"""
+def _inode(path: Path) -> tuple[int, int] | None:
+    """Which directory is at `path` now (a publish replaces it by another)."""
     try:
-        a, b = os.stat(path), os.fstat(fd)
+        st = os.stat(path)
     except OSError:
-        return False
-    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _local_names(call: str, params: dict[str, torch.Tensor], pipeline: Any) -> list[str]:

@@ -122,7 +122,7 @@ class _Load:
         for r, idx in enumerate(self.index):
             for e in idx["entries"]:
                 self.pieces.setdefault((e["kind"], e["name"], e["state"]), []).append((r, e))
-        self.files: dict[int, tuple[fmt.Mapped, dict[str, Any]]] = {}
+        self.files: dict[tuple[int, str], tuple[fmt.Mapped, dict[str, Any]]] = {}
 
     def run(self) -> dict[str, Any]:
         targets = {("param", n, ""): self.params[n] for n in self.names}
@@ -142,17 +142,18 @@ class _Load:
         self._step()
         return extra
 
-    def _mapped(self, r: int) -> tuple[fmt.Mapped, dict[str, Any]]:
-        if r not in self.files:
-            m = self.d.mapped(f"rank{r}.safetensors")
+    def _mapped(self, r: int, part: str = "") -> tuple[fmt.Mapped, dict[str, Any]]:
+        """Rank r's tensors (`part` ".extra": its extra's), checked."""
+        if (r, part) not in self.files:
+            m = self.d.mapped(f"rank{r}{part}.safetensors")
             try:
-                self.files[r] = (m, m.header())
+                self.files[(r, part)] = (m, m.header())
             except (ValueError, KeyError, TypeError) as err:
                 raise ValueError(f"{self.call}: {err}") from None
-        return self.files[r]
+        return self.files[(r, part)]
 
-    def tensor(self, r: int, key: str) -> torch.Tensor:
-        m, head = self._mapped(r)
+    def tensor(self, r: int, key: str, part: str = "") -> torch.Tensor:
+        m, head = self._mapped(r, part)
         return m.tensor(head[key]).clone()
 
     def _check(self, kind: str, have: dict[str, torch.Tensor], names: list[str]) -> None:
@@ -220,7 +221,7 @@ class _Load:
         world = dist.get_world_size() if _in_group() else 1
         own = me if me < self.ranks else 0
         if world != self.ranks:
-            every = [fmt.decode(i["extra"], self._reader(r)) for r, i in enumerate(self.index)]
+            every = [fmt.decode(i["extra"], self._reader(r, ".extra")) for r, i in enumerate(self.index)]
             if any(not _equal(every[0], e) for e in every[1:]):
                 warnings.warn(
                     f"{self.call}: the checkpoint was saved by {self.ranks} ranks, with an extra of "
@@ -229,10 +230,10 @@ class _Load:
                     "not returned. Resume on as many ranks to get each one back.",
                     stacklevel=4,
                 )
-        return fmt.decode(self.index[own]["extra"], self._reader(own))
+        return fmt.decode(self.index[own]["extra"], self._reader(own, ".extra"))
 
-    def _reader(self, r: int) -> Callable[[str], torch.Tensor]:
-        return lambda key: self.tensor(r, key)
+    def _reader(self, r: int, part: str = "") -> Callable[[str], torch.Tensor]:
+        return lambda key: self.tensor(r, key, part)
 
     def _step(self) -> None:
         step = self.d.manifest.get("rng_step")

@@ -294,3 +294,11 @@ def test_load_waits_for_this_process_s_async_save(tmp_path, monkeypatch):
     fpipe.async_save(tmp_path / "c", _params(2.0), extra={"step": 2})
     mine = _zeros()
     assert fpipe.load(tmp_path / "c", mine) == {"step": 2} and torch.equal(mine["w"], _params(2.0)["w"])
+
+
+def test_a_malformed_manifest_or_index_is_a_value_error_naming_the_checkpoint(tmp_path):
+    path = tmp_path / "c"
+    fpipe.save(path, _params())
+    (path / "fpipe.json").write_text(json.dumps({"format": "fpipe-checkpoint", "version": 2}))
+    with pytest.raises(ValueError, match=r"c is not a well-formed fpipe checkpoint \(KeyError: 'files'\)"):
+        fpipe.load(path, _zeros())

@@ -77,6 +77,11 @@ def load(
         except (OSError, ValueError):
             if _inode(where) == seen:  # not replaced by a publish meanwhile: the error stands
                 raise
+        except (KeyError, TypeError, IndexError, AttributeError) as err:
+            raise ValueError(
+                f"{call}: {where} is not a well-formed fpipe checkpoint ({type(err).__name__}: {err}); "
+                "load another checkpoint."
+            ) from None
     raise CheckpointError(f"{call}: {path} was replaced three times while it was read; load it again.")
 
 

@@ -100,6 +100,8 @@ def save_phase(out: str) -> dict[str, Any]:
     rec["load_no_pipeline"] = _error(lambda: fpipe.load(f"{out}/ckpt", params))
     bad = {"module": torch.nn.Linear(1, 1)} if dist.get_rank() == 1 else {}  # not weights_only-loadable
     rec["one_rank_refuses"] = _error(lambda: fpipe.save(f"{out}/bad", params, extra=bad, pipeline=piped))
+    fpipe.save(f"{out}/per_rank", params, extra={"data_pos": 1000 + dist.get_rank()}, pipeline=piped)
+    rec["per_rank_extra"] = fpipe.load(f"{out}/per_rank", params, pipeline=piped)  # this rank's own
     return rec
 
 

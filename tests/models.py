@@ -186,6 +186,27 @@ class ConvBN(nn.Module):
         return self.fc(x.mean(dim=(2, 3)))
 
 
+class StepCounter(nn.Module):
+    """A module buffer written in place (`self.step.add_(1)`) and read by every layer: issue 24's
+    case of a recomputation reading the buffer after the write. One boundary after `cut` layers."""
+
+    def __init__(self, d: int = 8, n_layers: int = 6, cut: int = 3, dtype: torch.dtype = torch.float64):
+        super().__init__()
+        self.ws = nn.ParameterList(
+            nn.Parameter(torch.randn(d, d, dtype=dtype) * 0.3) for _ in range(n_layers)
+        )
+        self.register_buffer("step", torch.zeros((), dtype=dtype))
+        self.cut = cut
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.step.add_(1)
+        h = x
+        for i, w in enumerate(self.ws):
+            h = torch.tanh(h @ w + self.step * 0.25) + h
+            h = _boundary(h, i + 1, {self.cut})
+        return h.pow(2).mean()
+
+
 # -- checks shared by the tests -------------------------------------------------------------------
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}

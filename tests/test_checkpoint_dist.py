@@ -171,3 +171,8 @@ def test_async_save_then_destroy_process_group_publishes_each_ranks_extra_and_th
     assert manifest["ranks"] == 2 and manifest["rng_step"] == 2
     extras = [json.loads((run["out"] / "bn" / f"rank{r}.json").read_text())["extra"] for r in (0, 1)]
     assert extras == [{"pos": 1000}, {"pos": 1001}]
+
+
+def test_each_rank_gets_its_own_extra_back(run):
+    """Rank 1 saved data_pos=1001: it gets 1001 back, not rank 0's 1000 (issue 25 case 4)."""
+    assert [r["save"]["per_rank_extra"] for r in run["save"]] == [{"data_pos": 1000}, {"data_pos": 1001}]

@@ -24,7 +24,14 @@ import pytest
 import torch
 
 import fpipe
-from fpipe._src import checkpoint_files, checkpoint_format
+from fpipe._src import checkpoint_files
+
+
+def _fmt():  # type: ignore[no-untyped-def]
+    """fpipe's checkpoint data formats (imported here: a module base b6b0e74 lacks)."""
+    from fpipe._src import checkpoint_format
+
+    return checkpoint_format
 
 
 def _params(v: float = 1.0) -> dict[str, torch.Tensor]:
@@ -139,15 +146,16 @@ def test_a_publish_during_a_load_never_mixes_two_checkpoints(tmp_path, monkeypat
     (the weights match the extra), never step-1 weights with step-2 extra."""
     path = tmp_path / "c"
     fpipe.save(path, _params(1.0), extra={"step": 1})
-    real, fired = checkpoint_format.Mapped.sha256, []
+    mapped = _fmt().Mapped
+    real, fired = mapped.sha256, []
 
-    def racing(self: checkpoint_format.Mapped) -> str:
+    def racing(self: object) -> str:
         if not fired:
             fired.append(1)
             fpipe.save(path, _params(2.0), extra={"step": 2})
         return real(self)
 
-    monkeypatch.setattr(checkpoint_format.Mapped, "sha256", racing)
+    monkeypatch.setattr(mapped, "sha256", racing)
     mine = _zeros()
     extra = fpipe.load(path, mine)
     assert fired and torch.equal(mine["w"], _params(float(extra["step"]))["w"])
@@ -204,7 +212,7 @@ def _disk_full(*args: object, **kwargs: object) -> tuple[int, str]:
 def test_a_full_disk_says_so_cleans_up_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     path = tmp_path / "c"
     fpipe.save(path, _params(1.0), extra={"step": 1})
-    monkeypatch.setattr(checkpoint_format, "write_safetensors", _disk_full)
+    monkeypatch.setattr(_fmt(), "write_safetensors", _disk_full)
     with pytest.raises(
         fpipe.CheckpointError,
         match=r"the disk is full \(.*rank0.safetensors\).*scratch directory was deleted",
@@ -218,7 +226,7 @@ def test_a_full_disk_says_so_cleans_up_and_keeps_the_previous_checkpoint(tmp_pat
 
 
 def test_a_failed_async_save_is_an_exception_at_result(tmp_path, monkeypatch):
-    monkeypatch.setattr(checkpoint_format, "write_safetensors", _disk_full)
+    monkeypatch.setattr(_fmt(), "write_safetensors", _disk_full)
     handle = fpipe.async_save(tmp_path / "c", _params())
     with pytest.raises(fpipe.CheckpointError, match=r"async_save\(.*c', params\): the disk is full") as err:
         handle.result()
@@ -235,7 +243,7 @@ def _wait_done(handle: fpipe.AsyncCheckpoint) -> None:
 
 def test_a_failed_async_save_nobody_waited_for_fails_the_next_fpipe_call(tmp_path, monkeypatch):
     """Raised by the next pipeline call (which does nothing), naming the save and its path."""
-    monkeypatch.setattr(checkpoint_format, "write_safetensors", _disk_full)
+    monkeypatch.setattr(_fmt(), "write_safetensors", _disk_full)
     _wait_done(fpipe.async_save(tmp_path / "c", _params()))
     piped = fpipe.pipeline(lambda p, x: (x @ p["w"]).sum(), microbatches=1)
     with pytest.raises(
@@ -276,13 +284,21 @@ def test_a_failed_async_save_nobody_saw_is_reported_at_exit_with_status_1(tmp_pa
 
 
 def test_load_waits_for_this_process_s_async_save(tmp_path, monkeypatch):
-    real = checkpoint_format.write_safetensors
+    real = _fmt().write_safetensors
 
     def slow(*args: object, **kwargs: object) -> tuple[int, str]:
         time.sleep(0.5)
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(checkpoint_format, "write_safetensors", slow)
+    monkeypatch.setattr(_fmt(), "write_safetensors", slow)
     fpipe.async_save(tmp_path / "c", _params(2.0), extra={"step": 2})
     mine = _zeros()
     assert fpipe.load(tmp_path / "c", mine) == {"step": 2} and torch.equal(mine["w"], _params(2.0)["w"])
+
+
+def test_a_malformed_manifest_or_index_is_a_value_error_naming_the_checkpoint(tmp_path):
+    path = tmp_path / "c"
+    fpipe.save(path, _params())
+    (path / "fpipe.json").write_text(json.dumps({"format": "fpipe-checkpoint", "version": 2}))
+    with pytest.raises(ValueError, match=r"c is not a well-formed fpipe checkpoint \(KeyError: 'files'\)"):
+        fpipe.load(path, _zeros())

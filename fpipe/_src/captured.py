@@ -17,20 +17,26 @@ is refused by the tracer itself (NOTE [tracing is specialisation] in trace.py).
 # NOTE [checkpointed regions]
 fpipe's programs keep and free their values themselves, so saved-tensor hooks never run in
 them. A non-reentrant `torch.utils.checkpoint` region is seen while tracing by its hooks being
-active (its pack hook is `_checkpoint_hook`'s): inside `following_checkpoints()` (the
+active (its pack hook is `_checkpoint_hook`'s), a reentrant one (`use_reentrant=True`, no hook) by
+its `CheckpointFunction.forward` being on the Python stack: inside `following_checkpoints()` (the
 compiler's traces), every operation traced under them gets `meta["recompute"]` (the region's
 number), which the joint trace carries to the joint graph's forward operations (the replay
-runs under `fx.traceback.preserve_node_meta`), and remat.py recomputes the saved values those
+runs under `fx.traceback.preserve_node_meta`, and so does the functional re-trace of a graph
+with in-place operations or dropout, NOTE [functional graphs] in trace.py), and remat.py
+recomputes the saved values those
 operations make inside the backward program, keeping the region's inputs: each region is
 recomputed from its own inputs (the output of the region before it is one of them, kept, not
-recomputed too), just before its backward, as `torch.utils.checkpoint` does. Any other
-saved-tensor hook (offloading to the host) is warned about: nothing is offloaded.
+recomputed too), just before its backward, as `torch.utils.checkpoint` does -- except that a
+write in the region runs once (BatchNorm's statistics: NOTE [effects] in effects.py), where
+eager checkpoint would update them again. Any other saved-tensor hook (offloading to the host)
+is warned about: nothing is offloaded.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import sys
 import traceback
 import warnings
 import weakref
@@ -40,6 +46,7 @@ from typing import Any
 import torch
 import torch.fx.traceback as fx_traceback
 import torch.utils._pytree as pytree
+import torch.utils.checkpoint
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -68,6 +75,20 @@ def _is_checkpoint(pack: Any) -> bool:
     return "_checkpoint_hook" in getattr(pack, "__qualname__", "")
 
 
+_REENTRANT = torch.utils.checkpoint.CheckpointFunction.forward.__code__
+
+
+def _reentrant_region() -> Any:
+    """The innermost `use_reentrant=True` checkpoint running now (its autograd context), found
+    on the Python stack: it installs no hook, its forward runs the region under `no_grad`."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is _REENTRANT:
+            return frame.f_locals.get("ctx")
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
 _READ = torch.ops.aten._local_scalar_dense.default
 _LITERALS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
 
@@ -88,6 +109,9 @@ class RefuseCapturedReads(TorchDispatchMode):
         regions = _REGIONS.get()
         if hooks is not None and _is_checkpoint(hooks[0]) and regions is not None:
             return self._in_region(regions, hooks[0], func, types, args, kwargs)
+        reentrant = _reentrant_region() if regions is not None else None
+        if reentrant is not None:
+            return self._in_region(regions, reentrant, func, types, args, kwargs)  # type: ignore[arg-type]
         if not self.hooks_seen and hooks is not None:
             self.hooks_seen = True
             _warn_hooks(self.call)
@@ -147,27 +171,27 @@ def _known(t: torch.Tensor) -> bool:
 
 def _warn_hooks(call: str) -> None:
     """A saved-tensor hook other than a followed `torch.utils.checkpoint` (offloading to the
-    host, a reentrant or untraced checkpoint) is active inside the traced function: fpipe's
-    programs keep and free their values themselves, so it never runs."""
+    host; a checkpoint traced outside `following_checkpoints`) is active inside the traced
+    function: fpipe's programs keep and free their values themselves, so it never runs."""
     warnings.warn(
         f"{call}: the function runs saved-tensor hooks (offloading with "
         "torch.autograd.graph.saved_tensors_hooks, or a checkpoint fpipe cannot follow). fpipe "
         "traces through them: the gradients are exact, but the values are kept for the "
         "backward, not offloaded or recomputed, so no memory is saved. fpipe recomputes "
-        "torch.utils.checkpoint(..., use_reentrant=False) regions; pipeline(..., "
+        "torch.utils.checkpoint regions (reentrant or not); pipeline(..., "
         "memory_limit=bytes) chooses what to recompute itself.",
         stacklevel=2,
     )
 
 
 def warn_lost_regions(call: str) -> None:
-    """Checkpoint regions were traced but their tags did not reach the joint graph (a function
-    that writes its inputs is traced again without them): say nothing is recomputed."""
+    """Checkpoint regions were traced but none of their tags reached the joint graph: say that
+    nothing is recomputed (a safety net: every trace carries the tags, NOTE [checkpointed
+    regions])."""
     warnings.warn(
-        f"{call}: the function has torch.utils.checkpoint regions, but it also writes its inputs "
-        "(a BatchNorm's running statistics, an in-place update of a buffer), and fpipe's second "
-        "trace of such a function loses the regions: the gradients are exact, but the regions' "
-        "values are kept for the backward, not recomputed. pipeline(..., memory_limit=bytes) "
-        "chooses what to recompute without the regions.",
+        f"{call}: the function has torch.utils.checkpoint regions, but fpipe lost track of "
+        "them while tracing: the gradients are exact, but the regions' values are kept for the "
+        "backward, not recomputed. pipeline(..., memory_limit=bytes) chooses what to recompute "
+        "without the regions.",
         stacklevel=2,
     )

@@ -169,13 +169,17 @@ class _Writing:
     def __init__(self, stage: bool) -> None:
         self.stage = stage  # async: copy each tensor now, so training may change the original
         self.tensors: dict[str, torch.Tensor] = {}
+        self.extra: dict[str, torch.Tensor] = {}  # extra's tensors: a small file of their own
         self.entries: list[dict[str, Any]] = []
 
-    def sink(self, t: torch.Tensor, where: str = "a value") -> str:
+    def sink(
+        self, t: torch.Tensor, where: str = "a value", into: dict[str, torch.Tensor] | None = None
+    ) -> str:
         t = t.detach()
         fmt.check_dtype(where, t)
-        key = f"t{len(self.tensors)}"
-        self.tensors[key] = t.to("cpu", copy=True) if self.stage else t
+        into = self.tensors if into is None else into
+        key = f"t{len(into)}"
+        into[key] = t.to("cpu", copy=True) if self.stage else t
         return key
 
     def add(self, kind: str, name: str, t: torch.Tensor, state: str = "") -> None:
@@ -195,7 +199,7 @@ class _Writing:
 def _collect(
     call: str, params: Any, optimizer: Any, buffers: dict[str, torch.Tensor], extra: Any, lay: _Layout,
     stage: bool,
-) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:  # fmt: skip
+) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:  # fmt: skip
     """What this rank writes (NOTE above) and its index; a TypeError or ValueError for bad arguments."""
     _check_params(call, params)
     if extra is not None and not isinstance(extra, dict):
@@ -209,10 +213,10 @@ def _collect(
             w.add("buffer", n, b)
     optim = _collect_optim(call, optimizer, params, lay, w) if optimizer is not None else {}
     try:
-        enc = fmt.encode(extra or {}, lambda t: w.sink(t, "a tensor of extra"), "extra")
+        enc = fmt.encode(extra or {}, lambda t: w.sink(t, "a tensor of extra", w.extra), "extra")
     except TypeError as err:
         raise TypeError(f"{call}: {err}") from None
-    return w.tensors, {"entries": w.entries, "optim": optim, "extra": enc}
+    return {"": w.tensors, ".extra": w.extra}, {"entries": w.entries, "optim": optim, "extra": enc}
 
 
 def _collect_optim(call: str, optimizer: Any, params: Any, lay: _Layout, w: _Writing) -> dict[str, Any]:

@@ -81,7 +81,10 @@ def decode(data: Any, tensors: Callable[[str], torch.Tensor]) -> Any:
     if "$dict" in data:
         return {_hashable(decode(k, tensors)): decode(v, tensors) for k, v in data["$dict"]}
     if "$dtype" in data:
-        return getattr(torch, data["$dtype"])
+        dtype = getattr(torch, str(data["$dtype"]), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"{data['$dtype']!r} is not a torch dtype")
+        return dtype
     if "$bytes" in data:
         return base64.b64decode(data["$bytes"])
     return {k: decode(v, tensors) for k, v in data.items()}

@@ -49,7 +49,7 @@ class Job:
     rank: int
     ranks: int
     nonce: str
-    tensors: dict[str, torch.Tensor]
+    tensors: dict[str, dict[str, torch.Tensor]]  # file suffix -> its tensors
     index: dict[str, Any]
     head: dict[str, Any]  # rank 0: what the manifest says besides the files
     lock: int | None = None  # rank 0: the lock's descriptor
@@ -71,13 +71,16 @@ class Job:
                 files.unlock(self.lock)
 
     def _write(self) -> None:
-        data = f"rank{self.rank}.safetensors"
-        size, sha = fmt.write_safetensors(str(self.tmp / data), self.tensors)
+        written = {}
+        for part, tensors in self.tensors.items():  # rank{R}.safetensors, rank{R}.extra.safetensors
+            name = f"rank{self.rank}{part}.safetensors"
+            size, sha = fmt.write_safetensors(str(self.tmp / name), tensors)
+            written[name] = {"size": size, "sha256": sha}
         files.phase("written")
-        index = {**self.index, "files": {data: {"size": size, "sha256": sha}}}
-        part = self.tmp / f".rank{self.rank}.json.part"
-        fmt.write_synced(str(part), fmt.dumps(index))
-        os.rename(part, self.tmp / f"rank{self.rank}.json")
+        index = {**self.index, "files": written}
+        aside = self.tmp / f".rank{self.rank}.json.part"
+        fmt.write_synced(str(aside), fmt.dumps(index))
+        os.rename(aside, self.tmp / f"rank{self.rank}.json")
 
     def _wait_for_ranks(self) -> None:
         for r in range(1, self.ranks):

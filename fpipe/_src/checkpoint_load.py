@@ -67,24 +67,31 @@ def load(
         return hf.load_pretrained(call, path, params, names, bufs, optimizer)
     for _ in range(3):
         where = files.resolve(call, path)
-        opened = files.Opened(call, where)
+        seen = _inode(where)
         try:
-            return _Load(call, opened, params, names, bufs, optimizer, pipeline, buffers).run()
+            opened = files.Opened(call, where)
+            try:
+                return _Load(call, opened, params, names, bufs, optimizer, pipeline, buffers).run()
+            finally:
+                opened.close()
         except (OSError, ValueError):
-            if _same_dir(where, opened.fd):
+            if _inode(where) == seen:  # not replaced by a publish meanwhile: the error stands
                 raise
-        finally:
-            opened.close()
+        except (KeyError, TypeError, IndexError, AttributeError) as err:
+            raise ValueError(
+                f"{call}: {where} is not a well-formed fpipe checkpoint ({type(err).__name__}: {err}); "
+                "load another checkpoint."
+            ) from None
     raise CheckpointError(f"{call}: {path} was replaced three times while it was read; load it again.")
 
 
-def _same_dir(path: Path, fd: int) -> bool:
-    """Is the directory opened still the one at `path` (not replaced by a publish meanwhile)?"""
+def _inode(path: Path) -> tuple[int, int] | None:
+    """Which directory is at `path` now (a publish replaces it by another)."""
     try:
-        a, b = os.stat(path), os.fstat(fd)
+        st = os.stat(path)
     except OSError:
-        return False
-    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _local_names(call: str, params: dict[str, torch.Tensor], pipeline: Any) -> list[str]:
@@ -120,7 +127,7 @@ class _Load:
         for r, idx in enumerate(self.index):
             for e in idx["entries"]:
                 self.pieces.setdefault((e["kind"], e["name"], e["state"]), []).append((r, e))
-        self.files: dict[int, tuple[fmt.Mapped, dict[str, Any]]] = {}
+        self.files: dict[tuple[int, str], tuple[fmt.Mapped, dict[str, Any]]] = {}
 
     def run(self) -> dict[str, Any]:
         targets = {("param", n, ""): self.params[n] for n in self.names}
@@ -140,17 +147,18 @@ class _Load:
         self._step()
         return extra
 
-    def _mapped(self, r: int) -> tuple[fmt.Mapped, dict[str, Any]]:
-        if r not in self.files:
-            m = self.d.mapped(f"rank{r}.safetensors")
+    def _mapped(self, r: int, part: str = "") -> tuple[fmt.Mapped, dict[str, Any]]:
+        """Rank r's tensors (`part` ".extra": its extra's), checked."""
+        if (r, part) not in self.files:
+            m = self.d.mapped(f"rank{r}{part}.safetensors")
             try:
-                self.files[r] = (m, m.header())
+                self.files[(r, part)] = (m, m.header())
             except (ValueError, KeyError, TypeError) as err:
                 raise ValueError(f"{self.call}: {err}") from None
-        return self.files[r]
+        return self.files[(r, part)]
 
-    def tensor(self, r: int, key: str) -> torch.Tensor:
-        m, head = self._mapped(r)
+    def tensor(self, r: int, key: str, part: str = "") -> torch.Tensor:
+        m, head = self._mapped(r, part)
         return m.tensor(head[key]).clone()
 
     def _check(self, kind: str, have: dict[str, torch.Tensor], names: list[str]) -> None:
@@ -218,7 +226,7 @@ class _Load:
         world = dist.get_world_size() if _in_group() else 1
         own = me if me < self.ranks else 0
         if world != self.ranks:
-            every = [fmt.decode(i["extra"], self._reader(r)) for r, i in enumerate(self.index)]
+            every = [fmt.decode(i["extra"], self._reader(r, ".extra")) for r, i in enumerate(self.index)]
             if any(not _equal(every[0], e) for e in every[1:]):
                 warnings.warn(
                     f"{self.call}: the checkpoint was saved by {self.ranks} ranks, with an extra of "
@@ -227,10 +235,10 @@ class _Load:
                     "not returned. Resume on as many ranks to get each one back.",
                     stacklevel=4,
                 )
-        return fmt.decode(self.index[own]["extra"], self._reader(own))
+        return fmt.decode(self.index[own]["extra"], self._reader(own, ".extra"))
 
-    def _reader(self, r: int) -> Callable[[str], torch.Tensor]:
-        return lambda key: self.tensor(r, key)
+    def _reader(self, r: int, part: str = "") -> Callable[[str], torch.Tensor]:
+        return lambda key: self.tensor(r, key, part)
 
     def _step(self) -> None:
         step = self.d.manifest.get("rng_step")

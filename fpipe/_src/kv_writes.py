@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from .effects import writes
+
 __all__ = ["inplace_cache_writes"]
 
 
@@ -20,7 +22,7 @@ def inplace_cache_writes(gm: fx.GraphModule) -> list[str]:
         buf = node.args[0]
         if not isinstance(buf, fx.Node) or buf.op != "placeholder":
             continue
-        back = [u for u in buf.users if u.target is torch.ops.aten.copy_.default and u.args[1] is node]
+        back = [u for u in buf.users if writes(u) == [buf] and u.args[1:2] == (node,)]  # NOTE [effects]
         if set(buf.users) != {node, *back}:
             continue  # read elsewhere too: writing in place could change that reader's value
         node.target = torch.ops.aten.index_copy_.default

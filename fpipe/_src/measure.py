@@ -29,10 +29,21 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_map
 
+from .effects import written
 from .partition import node_cost
-from .trace import Forward, is_mutating
+from .trace import Forward
 
 __all__ = ["measure_costs"]
+
+
+def _arguments(node: fx.Node, value: Any) -> Any:
+    """`node`'s arguments, each one it writes a copy (NOTE [effects]): the caller's tensors and
+    the values later operations read stay as they are."""
+    mine = written([node])
+    return tree_map(
+        lambda n: value(n).clone() if isinstance(n, fx.Node) and n in mine else value(n),
+        (node.args, node.kwargs),
+    )
 
 
 def _stand_in(meta: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -137,12 +148,9 @@ def measure_costs(
     for i, node in enumerate(nodes):
         if node.op != "call_function":
             continue
-        args, kwargs = tree_map(value, (node.args, node.kwargs))
+        args, kwargs = _arguments(node, value)
         if node.target is operator.getitem:
             env[node] = operator.getitem(*args)
-            costs[node] = 0.0
-        elif is_mutating(node):  # not run: it would change the caller's buffers
-            env[node] = next((a for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor)), None)
             costs[node] = 0.0
         elif node_cost(node) == 0.0:  # a view: free in the static model, and here
             env[node] = node.target(*args, **kwargs)  # type: ignore[operator]

@@ -17,18 +17,17 @@ returns it. Kernel workspaces (inside a matrix product, say) are invisible here.
 from __future__ import annotations
 
 import dataclasses
-import operator
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from .effects import output_alias
+
 __all__ = ["Profile", "profile", "storage_bytes"]
 
 Part = int | tuple[str, int]  # a storage the program allocates, or ("input", index) it views
-
-_UNSAFE_VIEW = torch.ops.aten._unsafe_view.default  # a view whose schema does not say so
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,16 +107,10 @@ class _Walk:
 
     def _aliased(self, node: fx.Node) -> set[int] | None:
         """The storages of the argument `node` views or writes (None: it allocates)."""
-        if node.target is operator.getitem or node.target is _UNSAFE_VIEW:
-            return set(self.held.get(node.args[0], ()))  # type: ignore[arg-type]
-        schema = getattr(node.target, "_schema", None)
-        ret = schema.returns[0].alias_info if schema is not None and schema.returns else None
-        if schema is None or ret is None:
+        arg = output_alias(node)
+        if arg is False:
             return None
-        for arg, a in zip(schema.arguments, node.args):
-            if arg.alias_info is not None and set(arg.alias_info.before_set) & set(ret.before_set):
-                return set(self.held.get(a, ())) if isinstance(a, fx.Node) else set()
-        return None
+        return set(self.held.get(arg, ())) if isinstance(arg, fx.Node) else set()
 
 
 def profile(gm: fx.GraphModule) -> Profile:

@@ -23,6 +23,7 @@ import torch
 import torch.fx as fx
 
 from .cut_at import activations, insert_marker
+from .effects import is_mutating
 from .split import count_stages
 from .trace import Forward
 
@@ -75,7 +76,8 @@ def auto_partition(
     `measure`: returns each node's measured seconds (`measure.measure_costs`), used instead of
     the static estimate (rescaled to its units, so `_BYTE_WEIGHT` keeps its meaning)."""
     graph = fwd.gm.graph
-    graph.eliminate_dead_code()  # dead work is neither costed nor sent between stages
+    # dead work is neither costed nor sent between stages; a write is never dead (NOTE [effects])
+    graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or is_mutating(n))
     nodes = list(graph.nodes)
     act = activations(nodes, fwd.n_params, fwd.n_data)
     index = {n: i for i, n in enumerate(nodes)}

@@ -17,8 +17,13 @@ operations cut out of the joint graph), run the other way.
 The copies are the traced operations themselves, so the recomputed values are bit-identical:
 a random operation (dropout) is a `rng.seeded` call keyed by (step, microbatch, its index in
 the joint graph), and its copy in P draws the same mask (NOTE [random-number policy] in
-rng.py). Operations that write their inputs, collectives and anything not an aten/prims
-operation are never copied: a value that needs one is not dropped (`recomputable`).
+rng.py). Whether an operation may run again, and what a copy may read, is the effects
+analysis's answer (NOTE [effects] in effects.py; the walk is remat_walk.py): an operation that
+writes is never copied, except BatchNorm in training, copied without its running statistics
+(the same outputs, no second update); a copy never reads an input the step writes (a buffer
+`self.step.add_(1)` updates) -- the walk stops at the value of F computed from it before the
+write, which F returns; collectives and anything not an aten/prims operation are never
+copied: a value that needs one is not dropped (`recomputable`).
 
 Regions the user wrapped in `torch.utils.checkpoint` (NOTE [checkpointed regions] in
 captured.py) arrive with `meta["recompute"]` on their forward operations: every saved value
@@ -39,18 +44,16 @@ graph module's `meta`) and run whole.
 from __future__ import annotations
 
 import dataclasses
-import operator
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
-import torch
 import torch.fx as fx
 from torch.fx._lazy_graph_module import _LazyGraphModule  # code made at its first run
 
-from .rng import seeded
+from .effects import is_mutating
+from .remat_walk import copy_node, node_of, recompute_nodes, tagged, value_names, written_names
 from .staged import Place, Program, Staged
-from .trace import is_mutating
 
 __all__ = [
     "Drop",
@@ -62,106 +65,12 @@ __all__ = [
     "recompute_nodes",
     "stops",
     "tagged",
+    "written_names",
 ]
 
 Drop = tuple[Place, str]  # program P recomputes value v
 RECOMPUTES = "fpipe_recomputes"  # in the `meta` of a program that recomputes
 _BACKWARD = ("B", "I", "W")
-
-
-def tagged(node: fx.Node) -> bool:
-    """An operation inside a `torch.utils.checkpoint` region (captured.py tags them)."""
-    return node.meta.get("recompute") is not None
-
-
-def recomputable(node: fx.Node) -> bool:
-    """May this operation run again inside a backward program? Pure aten/prims operations and
-    seeded random ones; never a write into an input or a collective."""
-    if node.op != "call_function" or is_mutating(node):
-        return False
-    t = node.target
-    if t is operator.getitem or t is seeded:
-        return True
-    return isinstance(t, torch._ops.OpOverload) and t.namespace in ("aten", "prims")
-
-
-def node_of(prog: Program) -> dict[str, fx.Node]:
-    """The node of each value `prog` reads or returns, by value name (by position: a node's own
-    name is no value's name once a rewrite has copied nodes in, fx renumbers them). Kept on
-    `prog` (a rewrite makes a new program)."""
-    if "_fpipe_node_of" not in prog.__dict__:
-        prog.__dict__["_fpipe_node_of"] = _node_of(prog)
-    return prog.__dict__["_fpipe_node_of"]  # type: ignore[no-any-return]
-
-
-def _node_of(prog: Program) -> dict[str, fx.Node]:
-    out: dict[str, fx.Node] = {}
-    phs = [n for n in prog.gm.graph.nodes if n.op == "placeholder"]
-    out.update(zip(prog.inputs, phs))
-    ret = prog.gm.graph.find_nodes(op="output")[0].args[0]
-    out.update((name, n) for name, n in zip(prog.outputs, ret) if isinstance(n, fx.Node))  # type: ignore[arg-type]
-    return out
-
-
-def _names(prog: Program) -> dict[fx.Node, str]:
-    """The value name of each input and output node of `prog` (kept on it: do not change)."""
-    if "_fpipe_names" not in prog.__dict__:
-        prog.__dict__["_fpipe_names"] = {n: name for name, n in node_of(prog).items()}
-    return prog.__dict__["_fpipe_names"]  # type: ignore[no-any-return]
-
-
-class _Walk:
-    """What P needs to recompute value(s) of Q: the Q nodes to copy and the values to read.
-    `keep`: Q's values (by node name; Q an F) the walk stops at though Q may not return them."""
-
-    def __init__(self, q: Program, stop: set[str], keep: frozenset[str] = frozenset()) -> None:
-        self.q, self.stop, self.keep, self.name = q, stop, keep, _names(q)
-        self.copy: dict[fx.Node, None] = {}  # Q nodes to copy, in Q's order once sorted
-        self.read: dict[fx.Node, None] = {}  # Q nodes whose values P reads
-        self.ok = True
-
-    def visit(self, node: fx.Node) -> None:
-        if node in self.copy or node in self.read:
-            return
-        if (
-            node.op == "placeholder"
-            or self.name.get(node) in self.stop
-            or node.name in self.keep
-            or node in region_inputs(self.q)
-        ):
-            self.read[node] = None
-            return
-        if not recomputable(node):
-            self.ok = False
-            return
-        self.copy[node] = None
-        for d in node.all_input_nodes:
-            self.visit(d)
-
-
-def region_inputs(q: Program) -> set[fx.Node]:
-    """The values of `q` a checkpoint region reads that it does not make (its inputs: kept, as
-    `torch.utils.checkpoint` keeps them), found once per graph."""
-    got = q.gm.__dict__.get("_fpipe_region_inputs")
-    if got is None:
-        got = q.gm.__dict__["_fpipe_region_inputs"] = {
-            n for n in q.gm.graph.nodes if any(tagged(u) and _region(u) != _region(n) for u in n.users)
-        }
-    return got  # type: ignore[no-any-return]
-
-
-def _region(n: fx.Node) -> Any:
-    return n.meta.get("recompute")
-
-
-def recompute_nodes(
-    q: Program, names: Iterable[str], stop: set[str], keep: frozenset[str] = frozenset()
-) -> _Walk:
-    """The walk back from Q's values `names` to `stop` (and Q's inputs, region inputs, `keep`)."""
-    walk, nodes = _Walk(q, stop, keep), node_of(q)
-    for v in names:
-        walk.visit(nodes[v])
-    return walk
 
 
 def stops(st: Staged, p: Place, dropped: set[str], drops: set[Drop]) -> set[str]:
@@ -178,7 +87,7 @@ def stops(st: Staged, p: Place, dropped: set[str], drops: set[Drop]) -> set[str]
 def candidates(st: Staged, stages: Iterable[int]) -> list[Drop]:
     """Every (P, v) a backward program of `stages` could recompute: v made by the stage's F (or
     I, for W) and not a step output, all of its operations recomputable."""
-    returned = set(st.out_names)
+    returned, written = set(st.out_names), written_names(st)
     out = []
     for s in stages:
         for kind in _BACKWARD:
@@ -190,7 +99,9 @@ def candidates(st: Staged, stages: Iterable[int]) -> list[Drop]:
                 if q is None or q[1] != s or q == prog.place or v in returned:
                     continue
                 if q[0] == "F" or (q[0] == "I" and kind == "W"):
-                    walk = recompute_nodes(st.programs[q], [v], stops(st, prog.place, {v}, set()))
+                    walk = recompute_nodes(
+                        st.programs[q], [v], stops(st, prog.place, {v}, set()), written=written
+                    )
                     if walk.ok and walk.copy:
                         out.append((prog.place, v))
     return out
@@ -293,10 +204,10 @@ def _recompute_in(st: Staged, p: Place, names: set[str], drops: set[Drop], keep:
     stop = stops(st, p, names, drops)
     for q, vs in by_q.items():
         qprog = st.programs[q]
-        walk = recompute_nodes(qprog, vs, stop, keep if q[0] == "F" else frozenset())
+        walk = recompute_nodes(qprog, vs, stop, keep if q[0] == "F" else frozenset(), written_names(st))
         if not walk.ok:
             continue
-        qnames = dict(_names(qprog))
+        qnames = dict(value_names(qprog))
         env: dict[fx.Node, fx.Node] = {}
         kept = []  # region inputs Q must now return, named as in the joint graph (Q is an F:
         for n in walk.read:  # its graph is never rewritten, so its node names are the joint's)
@@ -318,7 +229,7 @@ def _recompute_in(st: Staged, p: Place, names: set[str], drops: set[Drop], keep:
         copies = []
         with g.inserting_before(first):
             for n in sorted(walk.copy, key=lambda n: qorder.get(n, -1)):
-                env[n] = g.node_copy(n, env.__getitem__)
+                env[n] = copy_node(g, n, env)
                 copies.append(env[n])
         for v in vs:
             if node_of(qprog)[v] in walk.read:  # a region's input as well: kept (and read)

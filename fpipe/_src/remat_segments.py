@@ -33,7 +33,8 @@ import torch.fx as fx
 
 from .memory_graph import id_of, storage_bytes
 from .partition import node_cost
-from .remat import Drop, Keep, node_of, recompute_nodes, stops
+from .remat import Drop, Keep, stops
+from .remat_walk import node_of, recompute_nodes, written_names
 from .staged import Place, Program, Staged
 
 __all__ = ["Costs", "Unit", "anchors", "storage_key", "units"]
@@ -144,7 +145,7 @@ class Costs:
         total = 0.0
         for q, vs in by_q.items():
             k = keep.get(p[1], frozenset()) if q[0] == "F" else frozenset()
-            walk = recompute_nodes(self.st.programs[q], vs, stop, k)
+            walk = recompute_nodes(self.st.programs[q], vs, stop, k, written_names(self.st))
             total += sum(node_cost(n) for n in walk.copy)
         return total
 

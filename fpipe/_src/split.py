@@ -44,12 +44,13 @@ import torch
 import torch.fx as fx
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 
+from .effects import is_mutating, written_inputs
 from .marker import BOUNDARY, BOUNDARY_BWD
 from .rng import is_random, seeded
 from .split_iw import backward_parts, split_backward
 from .split_tied import untie_sums  # re-exported: split and split_backward go together
 from .staged import Place, Program, Staged
-from .trace import Joint, is_mutating
+from .trace import Joint
 
 UNTIE = True  # False: tied gradients summed where the joint graph adds them (bench/tied_grads.py)
 
@@ -162,7 +163,7 @@ class _Placer:
         # Values computed from the data, or from an input the step writes (a buffer counter):
         # computed once, in their earliest reader, and sent -- a copy in a later program would
         # read the input after the write (NOTE [how nodes are placed]).
-        written = {n.args[0] for n in self.nodes if is_mutating(n) and n.args and n.args[0] in phs}
+        written = written_inputs(self.graph)  # NOTE [effects] in effects.py
         self.data_dep = self._closure({*phs[joint.n_params : joint.n_params + joint.n_data], *written})
         backward = self._closure({ct})
         fstage = forward_stages(self.graph, backward, self.live)

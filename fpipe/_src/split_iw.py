@@ -14,8 +14,8 @@ from typing import Any
 
 import torch.fx as fx
 
+from .effects import is_mutating
 from .staged import Place, Program, Staged
-from .trace import is_mutating
 
 __all__ = ["backward_parts", "split_backward"]
 

@@ -45,6 +45,7 @@ from . import tree
 from .captured import RefuseCapturedReads
 from .cut_at import is_pipe_split, pipe_splits_to_markers
 from .cuts import Cutter
+from .effects import is_mutating
 from .frames import user_line
 from .marker import BOUNDARY, BOUNDARY_BWD, boundary_apply, boundary_bwd_apply
 
@@ -160,6 +161,9 @@ def run_trace(
 # (nothing mutates them any more), so the partition's cost model and the runtime's matrix-product
 # accumulation still see `t`/`view`. The re-trace runs on the already-traced aten graph, where the
 # boundary markers are plain custom ops: functionalize cannot run an autograd.Function itself.
+# It runs the graph node by node (an `fx.Interpreter`), so each node's meta -- a checkpoint
+# region's tag -- reaches the nodes it becomes (NOTE [checkpointed regions] in captured.py).
+# Which nodes write is effects.py's answer (NOTE [effects]).
 
 
 def functional(gm: fx.GraphModule, fakes: Sequence[torch.Tensor]) -> fx.GraphModule:
@@ -168,7 +172,9 @@ def functional(gm: fx.GraphModule, fakes: Sequence[torch.Tensor]) -> fx.GraphMod
     if not any(is_mutating(n) for n in gm.graph.nodes):
         return gm
     plain = [f.detach() for f in fakes]
-    functional = torch.func.functionalize(gm, remove="mutations")
+    # run node by node: each node's meta (a checkpoint region's tag) reaches the nodes it
+    # becomes, inside `following_checkpoints` (NOTE [checkpointed regions] in captured.py)
+    functional = torch.func.functionalize(fx.Interpreter(gm).run, remove="mutations")
     out = make_fx(functional, tracing_mode="fake", _allow_non_fake_inputs=True)(*plain)
     _drop_same_copies(out)
     _hoist_input_writes(out)
@@ -190,12 +196,6 @@ def _hoist_input_writes(gm: fx.GraphModule) -> None:
         if order[anchor] < order[node]:
             anchor.append(node)
     gm.recompile()
-
-
-def is_mutating(node: fx.Node) -> bool:
-    """Does `node` write into one of its arguments (an in-place op, a `copy_` into an input)?"""
-    schema = getattr(node.target, "_schema", None)
-    return bool(node.op == "call_function" and schema is not None and schema.is_mutable)
 
 
 def _drop_same_copies(gm: fx.GraphModule) -> None:

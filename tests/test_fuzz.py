@@ -31,8 +31,6 @@ RANKS = 2
 # Empty: every feature and combination is fuzzed.
 EXCLUDED: dict[str, str] = {
     "int_aux": "issue 24 case 14: an integer aux output comes back as a float (averaged; read as int64 bits on ranks)",
-    "buffer_rw+memory_limit": "issue 24 case 1: a buffer written in place, then read by a recomputed value",
-    "bn_train+memory_limit": "issue 24 case 2: a recomputed BatchNorm updates its running statistics again",
     "bn_eval+sum_loss": "a sum loss after an eval-mode BatchNorm is averaged over microbatches (docs/FUZZING.md)",
 }
 ENABLED = set(FEATURES) - {k for k in EXCLUDED if "+" not in k}

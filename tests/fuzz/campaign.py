@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import json
 import multiprocessing
 import sys
@@ -113,10 +114,12 @@ def _run_all(exs: Iterable[Example], jobs: int) -> Iterator[Result]:
     if jobs <= 1:
         yield from map(_one, exs)
         return
+    it = iter(exs)  # handed over a batch at a time, so the generator's deadline is read as it goes
     with multiprocessing.get_context("fork").Pool(
         jobs, initializer=_init_worker, maxtasksperchild=200
     ) as pool:
-        yield from pool.imap(_one, exs, chunksize=2)
+        while batch := list(itertools.islice(it, 8 * jobs)):
+            yield from pool.imap(_one, batch, chunksize=2)
 
 
 def _counts(results: list[Result]) -> str:

@@ -163,6 +163,39 @@ def test_held_values_match_the_runner_after_every_action(monkeypatch, schedule):
     assert max(running for _, running, _ in report.actions) == report.peak == piped.memory(params, *args)
 
 
+def test_memory_of_a_function_with_aux(monkeypatch):
+    """`memory` of a function returning (loss, aux) predicts `value_and_grad(piped,
+    has_aux=True)`'s step (issue 24, case 5: it told the user to pass has_aux=True, which it
+    does not take): the step reuses the plan `memory` compiled, and holds what it predicted."""
+    loss, params, args = gpt_case(2)
+
+    def with_aux(p: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
+        value = loss(p, x, y)
+        return value, {"loss": value.detach(), "tokens": (x >= 0).sum()}
+
+    piped = fpipe.pipeline(with_aux, microbatches=4, schedule="1f1b")
+    report = piped.memory_report(params, *args)
+    assert report.peak == piped.memory(params, *args) > 0
+    live = run_.live_bytes
+    monkeypatch.setattr(run_, "live_bytes", lambda envs, skip=(): live(map(_tensors, envs), skip))
+    step = fpipe.value_and_grad(piped, has_aux=True)
+    step(params, *args)
+    assert len(piped._cache) == 1  # the plan `memory` compiled
+    piped._last.runner.record_memory = True
+    (_, aux), _ = step(params, *args)
+    assert [(a, held) for a, _, held in report.actions] == piped._last.runner.memory
+    assert int(aux["tokens"]) == args[0].numel()
+    with pytest.raises(ValueError, match=r"returns 3 tensors; reduce it to a scalar, or pass has_aux=True"):
+        fpipe.value_and_grad(piped)(params, *args)  # without has_aux: refused, as before
+    rows = fpipe.pipeline(lambda p, x, y: with_aux(p, x, y)[0] * torch.ones(3), microbatches=4)
+    with pytest.raises(ValueError) as err:
+        rows.memory(params, *args)
+    assert str(err.value).endswith(
+        ".memory(...): the function must return a scalar loss, but returns a tensor of shape (3,); "
+        "reduce it to a scalar, or return (loss, aux)."
+    )
+
+
 def test_report_table_and_meta_inputs():
     loss, params, args = gpt_case(2)
     piped = fpipe.pipeline(loss, microbatches=4, schedule="1f1b")

@@ -83,7 +83,36 @@ def gptck() -> Case:
     return loss, params, (torch.randint(0, 256, (64, 64)), torch.randint(0, 256, (64, 64)))
 
 
-MODELS = {"mlp": mlp, "gpt": gpt, "gpt128": gpt128, "gptck": gptck}
+class CNN(torch.nn.Module):
+    """A small convolutional classifier (five 3x3 convolutions, the last strided, and a linear
+    head): the convolutions' kernel workspaces are a share of its step (NOTE [kernel
+    workspaces] in fpipe/_src/workspace.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.convs = torch.nn.ModuleList(
+            [torch.nn.Conv2d(3, 16, 3, padding=1)]
+            + [torch.nn.Conv2d(16, 16, 3, padding=1) for _ in range(3)]
+            + [torch.nn.Conv2d(16, 32, 3, stride=2, padding=1)]
+        )
+        self.head = torch.nn.Linear(32 * 16 * 16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for conv in self.convs:
+            x = torch.relu(conv(x))
+        return self.head(x.flatten(1))
+
+
+def cnn() -> Case:
+    fn, params = fpipe.functionalize(CNN())
+
+    def loss(p: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(fn(p, x), y)
+
+    return loss, params, (torch.randn(128, 3, 32, 32), torch.randint(0, 10, (128,)))
+
+
+MODELS = {"mlp": mlp, "gpt": gpt, "gpt128": gpt128, "gptck": gptck, "cnn": cnn}
 
 
 def _status(field: str) -> int:

@@ -16,11 +16,13 @@ fake tensors (`memory_graph.profile`):
   groups; on gloo one group early), and sent values until this rank's next action has ended
   (the send thread keeps them until the peer has them: under a memory limit the runner waits
   for that there, `DistRunner.bound_sends`; without one a slow peer can make it later);
-- while a program runs, its own peak (`Profile.peak`: what it allocates that is alive at once).
+- while a program runs, its own peak (`Profile.peak`: what it allocates that is alive at once,
+  with the workspace of the kernel running: NOTE [kernel workspaces] in workspace.py).
 
 The peak is the largest held-plus-running total over the step. The parameters, module buffers
-and the call's data are the caller's and are not counted; neither are allocator slack, kernel
-workspaces and the few bytes of Python objects. A forward-only call holds less.
+and the call's data are the caller's and are not counted; neither are allocator slack, the
+workspaces of kernels workspace.py has no rule for (a matrix product's) and the few bytes of
+Python objects. A forward-only call holds less.
 """
 
 from __future__ import annotations

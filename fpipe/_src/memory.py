@@ -179,10 +179,12 @@ class _Replay:
         self.transient[a.stage] = max(self.transient.get(a.stage, 0), pr.peak)
         self.observe(str(a), a.stage, pr.peak)
         names = [*prog.inputs, *(("sum", i) for i in fused)]
+        seen: set[str] = set()  # a name listed twice (an I half's output sent and kept for W): one value
         for name, parts in zip(prog.outputs, pr.outputs):
             keys = [self._input_key(a.mb, names[o[1]]) if isinstance(o, tuple) else (a, k, o) for o in parts]
-            if not keys:
+            if not keys or name in seen:
                 continue
+            seen.add(name)
             self.env[a.mb, name] = keys
             for key, o in zip(keys, parts):
                 self.acc.hold(key, 0, pr.sizes.get(o, 0) if isinstance(o, int) else 0, a.stage, a.mb)

@@ -106,16 +106,21 @@ class CNN(torch.nn.Module):
         return self.head(x.flatten(1))
 
 
-def cnn() -> Case:
-    fn, params = fpipe.functionalize(CNN())
+def cnn(dtype: torch.dtype = torch.float32, batch: int = 128) -> Case:
+    """`CNN`: in float32 its convolutions run on oneDNN, in float64 on torch's im2col kernels."""
+    fn, params = fpipe.functionalize(CNN().to(dtype))
 
     def loss(p: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.cross_entropy(fn(p, x), y)
 
-    return loss, params, (torch.randn(128, 3, 32, 32), torch.randint(0, 10, (128,)))
+    return loss, params, (torch.randn(batch, 3, 32, 32, dtype=dtype), torch.randint(0, 10, (batch,)))
 
 
-MODELS = {"mlp": mlp, "gpt": gpt, "gpt128": gpt128, "gptck": gptck, "cnn": cnn}
+def cnn64() -> Case:
+    return cnn(torch.float64, 32)
+
+
+MODELS = {"mlp": mlp, "gpt": gpt, "gpt128": gpt128, "gptck": gptck, "cnn": cnn, "cnn64": cnn64}
 
 
 def _status(field: str) -> int:

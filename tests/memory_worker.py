@@ -94,7 +94,6 @@ def stepbuf() -> Case:
     return fn, params, (torch.randn(16, 8, dtype=torch.float64),), model.step.zero_
 
 
-
 class CNN(torch.nn.Module):
     """A small convolutional classifier (five 3x3 convolutions, the last strided, and a linear
     head): the convolutions' kernel workspaces are a share of its step (NOTE [kernel

@@ -2,6 +2,7 @@
 
     python tests/memory_worker.py NAME...                              # all stages in one process
     torchrun --standalone --nproc-per-node 2 tests/memory_worker.py NAME...   # one rank each
+    torchrun --standalone --nproc-per-node 2 tests/memory_worker.py plan NAME...   # fpipe.plan first
 
 Prints (rank 0, under torchrun) one line `RESULT {json}`: per case NAME, per rank, `predicted`
 (`piped.memory`, before anything ran) and `measured`, the resident-set growth of one
@@ -14,10 +15,12 @@ these cases are mostly larger than that.
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import json
 import os
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -91,7 +94,49 @@ def stepbuf() -> Case:
     return fn, params, (torch.randn(16, 8, dtype=torch.float64),), model.step.zero_
 
 
-MODELS = {"mlp": mlp, "gpt": gpt, "gpt128": gpt128, "gptck": gptck, "stepbuf": stepbuf}
+class CNN(torch.nn.Module):
+    """A small convolutional classifier (five 3x3 convolutions, the last strided, and a linear
+    head): the convolutions' kernel workspaces are a share of its step (NOTE [kernel
+    workspaces] in fpipe/_src/workspace.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.convs = torch.nn.ModuleList(
+            [torch.nn.Conv2d(3, 16, 3, padding=1)]
+            + [torch.nn.Conv2d(16, 16, 3, padding=1) for _ in range(3)]
+            + [torch.nn.Conv2d(16, 32, 3, stride=2, padding=1)]
+        )
+        self.head = torch.nn.Linear(32 * 16 * 16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for conv in self.convs:
+            x = torch.relu(conv(x))
+        return self.head(x.flatten(1))
+
+
+def cnn(dtype: torch.dtype = torch.float32, batch: int = 128) -> Case:
+    """`CNN`: in float32 its convolutions run on oneDNN, in float64 on torch's im2col kernels."""
+    fn, params = fpipe.functionalize(CNN().to(dtype))
+
+    def loss(p: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(fn(p, x), y)
+
+    return loss, params, (torch.randn(batch, 3, 32, 32, dtype=dtype), torch.randint(0, 10, (batch,)))
+
+
+def cnn64() -> Case:
+    return cnn(torch.float64, 32)
+
+
+MODELS = {
+    "mlp": mlp,
+    "gpt": gpt,
+    "gpt128": gpt128,
+    "gptck": gptck,
+    "stepbuf": stepbuf,
+    "cnn": cnn,
+    "cnn64": cnn64,
+}
 
 
 def _status(field: str) -> int:
@@ -152,6 +197,64 @@ def measure(name: str) -> dict[str, Any]:
     return out
 
 
+D = 4096
+
+
+def elementwise() -> Case:
+    """A float64 model of elementwise layers whose values crossing between ranks are a large
+    share of a rank's memory; an odd batch (405 rows), so 2 ranks plan pipelines (dp = 2 does
+    not divide it)."""
+    g = torch.Generator().manual_seed(0)
+    params = {f"{k}{i}": torch.randn(D, generator=g, dtype=torch.float64) for i in range(4) for k in "wb"}
+
+    def loss(p: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = x
+        for i in range(4):
+            h = torch.tanh(h * p[f"w{i}"] + p[f"b{i}"])
+        return (h - y).pow(2).mean()
+
+    x, y = (torch.randn(405, D, generator=g, dtype=torch.float64) for _ in range(2))
+    return loss, params, (x, y)
+
+
+def planned() -> dict[str, Any]:
+    """`fpipe.plan` as the README calls it, under torchrun before any process group, and
+    `pipeline(f, plan=p)`'s step against `torch.func` of the unsplit function (float64); then
+    the plan under the least limit a candidate's predicted peak meets, its chosen layout's step
+    measured: resident-set growth plus this rank's parameters and their AdamW state (2x), which
+    the step does not allocate."""
+    from fpipe._src.remat_choose import least_limit
+
+    loss_fn, params, (tokens, targets) = elementwise()
+    plan = fpipe.plan(loss_fn, params, tokens, targets, world_size=2)  # the README's call
+    out: dict[str, Any] = {"group": dist.is_initialized(), "verified": plan.verified}
+    out["layout"] = [plan.layout, plan.stages, list(plan.cuts)]
+    loss, grads = _plan_step(loss_fn, plan, params, tokens, targets)
+    want_grads, want_loss = torch.func.grad_and_value(loss_fn)(params, tokens, targets)
+    out["loss_err"] = float((loss - want_loss).abs())
+    out["grad_err"] = max(float((grads[k] - want_grads[k]).abs().max()) for k in grads)
+    out["keys"] = sorted(grads)  # this rank's parameters: every one on some rank
+    peaks = sorted(c.predicted_peak_bytes for c in plan.candidates)
+    out["limit"] = limit = least_limit(peaks[0])
+    under = fpipe.plan(loss_fn, params, tokens, targets, world_size=2, memory_limit=limit)
+    out["dropped"] = sum(why.startswith("peak") for _, why in under.dropped)
+    out["chosen"], out["predicted"] = under.layout, under.predicted_peak_bytes
+    step = functools.partial(_plan_step, loss_fn, under, params, tokens, targets)
+    grads = step()[1]
+    mine = 3 * sum(params[k].nbytes for k, g in grads.items() if not g.is_meta)
+    del grads
+    out["measured"] = rss_growth(step) + mine
+    return out
+
+
+def _plan_step(f: Any, plan: fpipe.Plan, params: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
+    """`value_and_grad(pipeline(f, plan=plan))` on this rank's replica's rows."""
+    i, n = int(os.environ["RANK"]) // plan.pp, x.shape[0] // plan.dp
+    return fpipe.value_and_grad(fpipe.pipeline(f, plan=plan))(
+        params, x[i * n : (i + 1) * n], y[i * n : (i + 1) * n]
+    )
+
+
 def _backward_ops(piped: fpipe.Pipelined) -> int:
     """The operations of this rank's backward programs (recomputation adds to them)."""
     st = piped._last.staged  # type: ignore[union-attr]
@@ -160,12 +263,18 @@ def _backward_ops(piped: fpipe.Pipelined) -> int:
 
 
 def main() -> None:
-    group = "RANK" in os.environ
-    if group:
-        dist.init_process_group("gloo")
+    group = "RANK" in os.environ  # the process group: started by fpipe (plan, pipeline) or here
     out: dict[str, list[Any]] = {}
     for name in sys.argv[1:]:
-        mine = measure(name)
+        try:
+            mine = planned() if name == "plan" else measure(name)
+        except Exception as err:  # (plan: recorded, the test names it)
+            if name != "plan":
+                raise
+            traceback.print_exc()  # (in the log the test shows)
+            mine = {"error": f"{type(err).__name__}: {err}"}
+        if group and not dist.is_initialized():
+            dist.init_process_group("gloo")
         out[name] = [None] * (dist.get_world_size() if group else 1)
         if group:
             dist.all_gather_object(out[name], mine)

@@ -30,6 +30,7 @@ from fpipe._src.dist import SendReaper
 WORKER = Path(__file__).resolve().parent / "memory_worker.py"
 CASES = ["mlp-gpipe-4-8", "mlp-1f1b-4-8", "mlp-zb-h1-4-8", "gpt-gpipe-4-8", "gpt-1f1b-4-8"]
 CASES += ["gpt-zb-h1-4-8@0.6", "gptck-1f1b-4-8"]  # under memory_limit (0.6 x the peak); checkpointed
+CASES += ["cnn-1f1b-2-4", "cnn-1f1b-2-4@0.8", "cnn64-1f1b-2-4"]  # convolutions' workspaces: oneDNN, im2col
 GROUP_CASES = ["gpt-1f1b-2-8", "gpt-zbv-4-8"]  # 2 ranks; zbv: 2 stages per rank
 GROUP_CASES += ["gpt128-1f1b-2-8@0.5", "gpt128-zbv-4-8@0.5"]  # one limit: half the larger rank's peak
 EFFECT_CASES = ["stepbuf-gpipe-2-4@0.8", "stepbuf-1f1b-2-4@0.8"]  # gradients only: too small to measure
@@ -65,10 +66,10 @@ def measured_ranks(tmp_path_factory) -> dict[str, list[dict[str, int]]]:
         for k, v in MMAP.items():
             mp.setenv(k, v)
         procs, _store = start_ranks(
-            "memory_worker.py", 2, tmp_path_factory.mktemp("m"), *GROUP_CASES, *EFFECT_CASES
+            "memory_worker.py", 2, tmp_path_factory.mktemp("m"), "plan", *GROUP_CASES, *EFFECT_CASES
         )
     try:
-        wait_all(procs, 300)
+        wait_all(procs, 600)
     finally:
         kill(procs)
     assert all(p.rc == 0 for p in procs), report(procs)
@@ -113,6 +114,15 @@ def test_a_memory_limit_is_met_in_one_process(measured):
     _under_limit(measured["gpt-zb-h1-4-8@0.6"])
 
 
+def test_a_memory_limit_is_met_on_a_conv_net(measured):
+    """Issue 24, case 6: convolutions' kernel workspaces (oneDNN's blocked copies; in float64,
+    im2col's columns) were left out of the prediction, 17 % (47 % in float64) under the
+    resident-set growth of this CNN's step (the accuracy tests of `cnn-1f1b-2-4` and
+    `cnn64-1f1b-2-4` above failed); a limit of 0.8 x its peak is met."""
+    _under_limit(measured["cnn-1f1b-2-4@0.8"])
+    assert measured["cnn-1f1b-2-4@0.8"]["recomputed_ops"] > 0
+
+
 def test_a_memory_limit_is_met_on_each_rank(measured_ranks):
     for case in ("gpt128-1f1b-2-8@0.5", "gpt128-zbv-4-8@0.5"):
         assert len(measured_ranks[case]) == 2
@@ -132,6 +142,32 @@ def test_a_buffer_written_in_place_under_a_limit_on_two_ranks(measured_ranks, ca
     rank0, rank1 = measured_ranks[case]
     assert rank0["recomputed_ops"] > 0 and rank0["predicted"] <= rank0["limit"], rank0
     assert rank0["grads_equal"] and rank1["grads_equal"], (rank0, rank1)
+
+
+def test_plan_under_torchrun_starts_the_group_so_every_rank_plans_alike(measured_ranks):
+    """Issue 24, case 7b: `fpipe.plan(f, params, x, y, world_size=2)` as the README writes it,
+    under torchrun with no process group started: each rank planned alone (different stages),
+    and `pipeline(f, plan=p)` failed saying the ranks staged different programs. `plan` starts
+    the group as `pipeline` does; the ranks plan together (verified on the job) and alike, and
+    the plan's pipeline gives `torch.func`'s loss and gradients (float64)."""
+    recs = measured_ranks["plan"]
+    assert all("error" not in r for r in recs), recs
+    assert all(r["group"] and r["verified"] > 0 for r in recs), recs
+    assert recs[0]["layout"] == recs[1]["layout"], recs
+    assert max(max(r["loss_err"], r["grad_err"]) for r in recs) < 1e-12, recs
+    assert set().union(*(r["keys"] for r in recs)) == {f"{k}{i}" for i in range(4) for k in "wb"}
+
+
+def test_a_plan_under_a_memory_limit_is_met_on_each_rank(measured_ranks):
+    """Issue 24, case 7: `fpipe.plan(..., memory_limit=)` kept layouts predicted up to the limit
+    itself, without the receive buffers and sent values (a chosen layout's ranks then grew past
+    it). Under the least limit a candidate meets, the others dropped, the chosen layout's step
+    on each of 2 ranks stays under it: the planner aims 15 % under, as `pipeline` does, with
+    `pipeline`'s own prediction of each rank's step."""
+    for r in measured_ranks["plan"]:
+        assert "error" not in r, r
+        assert r["dropped"] > 0, r  # the limit binds
+        assert r["measured"] <= r["limit"], r
 
 
 def test_checkpointed_blocks_hold_less(measured):
@@ -175,6 +211,39 @@ def test_held_values_match_the_runner_after_every_action(monkeypatch, schedule):
     step(params, *args)
     assert [(a, held) for a, _, held in report.actions] == runner.memory
     assert max(running for _, running, _ in report.actions) == report.peak == piped.memory(params, *args)
+
+
+def test_memory_of_a_function_with_aux(monkeypatch):
+    """`memory` of a function returning (loss, aux) predicts `value_and_grad(piped,
+    has_aux=True)`'s step (issue 24, case 5: it told the user to pass has_aux=True, which it
+    does not take): the step reuses the plan `memory` compiled, and holds what it predicted."""
+    loss, params, args = gpt_case(2)
+
+    def with_aux(p: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
+        value = loss(p, x, y)
+        return value, {"loss": value.detach(), "tokens": (x >= 0).sum()}
+
+    piped = fpipe.pipeline(with_aux, microbatches=4, schedule="1f1b")
+    report = piped.memory_report(params, *args)
+    assert report.peak == piped.memory(params, *args) > 0
+    live = run_.live_bytes
+    monkeypatch.setattr(run_, "live_bytes", lambda envs, skip=(): live(map(_tensors, envs), skip))
+    step = fpipe.value_and_grad(piped, has_aux=True)
+    step(params, *args)
+    assert len(piped._cache) == 1  # the plan `memory` compiled
+    piped._last.runner.record_memory = True
+    (_, aux), _ = step(params, *args)
+    assert [(a, held) for a, _, held in report.actions] == piped._last.runner.memory
+    assert int(aux["tokens"]) == args[0].numel()
+    with pytest.raises(ValueError, match=r"returns 3 tensors; reduce it to a scalar, or pass has_aux=True"):
+        fpipe.value_and_grad(piped)(params, *args)  # without has_aux: refused, as before
+    rows = fpipe.pipeline(lambda p, x, y: with_aux(p, x, y)[0] * torch.ones(3), microbatches=4)
+    with pytest.raises(ValueError) as err:
+        rows.memory(params, *args)
+    assert str(err.value).endswith(
+        ".memory(...): the function must return a scalar loss, but returns a tensor of shape (3,); "
+        "reduce it to a scalar, or return (loss, aux)."
+    )
 
 
 def test_report_table_and_meta_inputs():

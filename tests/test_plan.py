@@ -126,9 +126,10 @@ def test_memory_limit_drops_candidates(planned: fpipe.Plan, inputs: tuple) -> No
     peaks = sorted({c.predicted_peak_bytes for c in planned.candidates})
     limit = peaks[len(peaks) // 2]
     p = fpipe.plan(loss_fn, params, x, y, world_size=2, memory_limit=limit)
-    assert all(c.predicted_peak_bytes <= limit for c in p.candidates)
+    target = limit * 85 // 100  # 15 % under the limit, as pipeline(memory_limit=) aims
+    assert all(c.predicted_peak_bytes <= target for c in p.candidates)
     over = [c for c, why in p.dropped if why.startswith("peak")]
-    assert over and all(c.predicted_peak_bytes > limit for c in over)
+    assert over and all(c.predicted_peak_bytes > target for c in over)
     assert len(p.candidates) + len(over) == len(planned.candidates)
     assert "dropped: peak" in p.table()
     with pytest.raises(ValueError, match=f"the least memory reachable is {peaks[0]} bytes"):

@@ -77,7 +77,7 @@ class Pipelined:
         return self._guarded(self._value_and_grad, params, args, kwargs, argnums, has_aux)
 
     def _get(
-        self, params: Any, args: Args, kwargs: Kwargs, grad_of: tuple[int, ...] | None, has_aux: bool
+        self, params: Any, args: Args, kwargs: Kwargs, grad_of: tuple[int, ...] | None, has_aux: bool | None
     ) -> tuple[inputs_.Inputs, list[list[torch.Tensor]], Compiled]:
         """The call's inputs, split into microbatches, and the plan for their signature."""
         self._groups.begin_call()
@@ -140,7 +140,8 @@ class Pipelined:
 
     def memory(self, params: Any, *args: Any, **kwargs: Any) -> int:
         """This rank's predicted peak working memory in bytes for `fpipe.value_and_grad(self)(params,
-        *args, **kwargs)`, from the traced programs and the schedule, before running anything."""
+        *args, **kwargs)` (with `has_aux=True` for a function returning `(loss, aux)`), from the
+        traced programs and the schedule, before running anything."""
         return self.memory_report(params, *args, **kwargs).peak
 
     def memory_report(self, params: Any, *args: Any, **kwargs: Any) -> memory_.MemoryReport:
@@ -148,7 +149,7 @@ class Pipelined:
         return self._guarded(self._memory, params, args, kwargs)
 
     def _memory(self, params: Any, args: Args, kwargs: Kwargs) -> memory_.MemoryReport:
-        inp, _, c = self._get(params, args, kwargs, (0,), False)
+        inp, _, c = self._get(params, args, kwargs, (0,), None)  # None: aux or not, as f returns
         return memory_.predict_plan(c, inp, self.cfg.microbatches)
 
     # -- what this rank holds -------------------------------------------------------------------

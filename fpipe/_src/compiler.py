@@ -65,6 +65,7 @@ class Compiled:
     const_sources: list[Any]  # Forward.sources: where each const is read at every call
     local_params: list[int] | None = None
     base: Staged | None = None  # before recomputation (remat_choose.py): what every rank agrees on
+    loss_shape: tuple[int, ...] = ()  # of output 0: checked at every value-and-grad call (_check_loss)
 
 
 Key = tuple[Any, ...]
@@ -89,9 +90,11 @@ class Compiler:
         self._measured: dict[Key, list[float]] = cfg.costs if cfg.costs is not None else {}
 
     def get(
-        self, inp: Inputs, mb0: list[torch.Tensor], grad_of: tuple[int, ...] | None, has_aux: bool
+        self, inp: Inputs, mb0: list[torch.Tensor], grad_of: tuple[int, ...] | None, has_aux: bool | None
     ) -> Compiled:
-        """The plan for these inputs, compiled at the first call of their signature."""
+        """The plan for these inputs, compiled at the first call of their signature. `has_aux`
+        does not change the program, only what is refused (None: `memory`, which predicts the
+        step the function's outputs call for, with or without aux)."""
         check_sharded(self.cfg.call, self.dp_mesh, inp.param_leaves, inputs_.param_keys(inp))
         key = (inp.key(inputs_.device_of(self.pg, inp).type), grad_of, has_aux)
         shapes = [tuple(t.shape) for t in inp.data_leaves]
@@ -103,7 +106,7 @@ class Compiler:
         if self.dp is not None:
             names = inputs_.leaf_names(self.cfg.f, inp.data_spec, inp.is_tensor)
             check_same_slices(self.cfg.call, self.dp, key, inp, names, self.cfg.timeout)
-        compiled = self.cache.get(key)
+        compiled = self.cache.get(key[:2])
         if compiled is None:
             # Trace outside any active torch.func transform (grad(piped), vmap(piped)): the
             # program is a function of its inputs, whatever transform later runs it.
@@ -112,7 +115,9 @@ class Compiler:
             if self.pg is not None:  # before any transfer: the ranks must agree on what to send
                 parts = fingerprint(compiled.base or compiled.staged, compiled.runner.schedule)
                 check_same_program(self.cfg.call, self.pg, parts, self.cfg.timeout)
-            self.cache[key] = compiled
+            self.cache[key[:2]] = compiled
+        if grad_of is not None:
+            _check_loss(self.cfg.call, compiled.loss_shape, len(compiled.reductions), has_aux)
         return compiled
 
     def _compile(
@@ -120,7 +125,7 @@ class Compiler:
         inp: Inputs,
         mb0: list[torch.Tensor],
         grad_of: tuple[int, ...] | None,
-        has_aux: bool,
+        has_aux: bool | None,
         regions: list[Any] | None = None,  # filled by the traces: following_checkpoints
     ) -> Compiled:
         cfg, device = self.cfg, inputs_.device_of(self.pg, inp)
@@ -133,10 +138,14 @@ class Compiler:
         stage_costs = self._cut(fwd, [*inp.param_leaves, *mb0], device, bool(inp.tp))
         reductions = self._reductions(fwd, inp)
         diff: list[int] = []
+        loss_shape: tuple[int, ...] = ()
         if grad_of is None:
             joint = _forward_as_joint(fwd)
         else:
-            diff = _diff_positions(cfg, inp, grad_of, fwd, reductions, has_aux)
+            outs = fwd.gm.graph.find_nodes(op="output")[0].args[0]
+            loss_shape = tuple(outs[0].meta["val"].shape)  # type: ignore[index, union-attr]
+            _check_loss(cfg.call, loss_shape, len(outs), has_aux)  # type: ignore[arg-type]
+            diff = _diff_positions(cfg, inp, grad_of, reductions)
             const_fakes = [fake_like(mode, c, device) for c in fwd.consts]
             with mode:  # the 1/M factor in the loss's precision (at least fp32): exact enough
                 ct = torch.empty((), dtype=_cotangent_dtype(fwd), device=device)
@@ -144,7 +153,7 @@ class Compiler:
                 joint = trace_joint_tp(cfg.call, f, rebuild, fwd, [*fakes, ct], diff, cfg.cuts)
                 joint.gm = rewrite(cfg.call, joint.gm, self._tp_name(), self.tp is None)
             else:
-                joint = trace_joint(cfg.call, fwd, [*fakes, *const_fakes, ct], diff, has_aux)
+                joint = trace_joint(cfg.call, fwd, [*fakes, *const_fakes, ct], diff, bool(has_aux))
         base, sched = self._stage(joint)
         staged = base
         if grad_of is not None:  # NOTE [meeting a memory limit] in remat_choose.py
@@ -154,7 +163,7 @@ class Compiler:
         keys = inputs_.param_keys(inp)
         return Compiled(
             staged, self._runner(staged, sched), fwd.consts, fwd.out_spec, reductions, diff,
-            stage_costs, keys, fwd.sources, base=base,
+            stage_costs, keys, fwd.sources, base=base, loss_shape=loss_shape,
         )  # fmt: skip
 
     def _runner(self, staged: Staged, sched: Schedule) -> Any:
@@ -360,25 +369,25 @@ class Compiler:
         return sched
 
 
+def _check_loss(call: str, loss_shape: tuple[int, ...], n_outs: int, has_aux: bool | None) -> None:
+    """Refuse a loss that is not a scalar, or (has_aux=False) aux outputs; `has_aux` None is
+    `memory`'s step, which takes a second output as aux."""
+    if not loss_shape and (has_aux is not False or n_outs == 1):
+        return
+    what = f"a tensor of shape {loss_shape}" if n_outs == 1 else f"{n_outs} tensors"
+    where = f"value_and_grad({call})" if has_aux is not None else f"{call}.memory(...)"
+    fix = "pass has_aux=True and return (loss, aux)" if has_aux is not None else "return (loss, aux)"
+    raise ValueError(
+        f"{where}: the function must return a scalar loss{' and an aux value' if has_aux else ''}, "
+        f"but returns {what}; reduce it to a scalar, or {fix}."
+    )
+
+
 def _diff_positions(
-    cfg: Config,
-    inp: Inputs,
-    argnums: tuple[int, ...],
-    fwd: Forward,
-    reductions: list[str | int],
-    has_aux: bool,
+    cfg: Config, inp: Inputs, argnums: tuple[int, ...], reductions: list[str | int]
 ) -> list[int]:
-    """The flat positions to differentiate; refuse a loss that is not a scalar reduced by
-    'mean' or 'sum'."""
+    """The flat positions to differentiate; refuse a loss reduced otherwise than by 'mean' or 'sum'."""
     call = f"value_and_grad({cfg.call})"
-    outs = fwd.gm.graph.find_nodes(op="output")[0].args[0]
-    loss = outs[0].meta["val"]  # type: ignore[index, union-attr]
-    if loss.dim() != 0 or (not has_aux and len(outs) != 1):  # type: ignore[arg-type]
-        what = f"a tensor of shape {tuple(loss.shape)}" if len(outs) == 1 else f"{len(outs)} tensors"  # type: ignore[arg-type]
-        raise ValueError(
-            f"{call}: the function must return a scalar loss{' and an aux value' if has_aux else ''}, "
-            f"but returns {what}; reduce it to a scalar, or pass has_aux=True and return (loss, aux)."
-        )
     if reductions[0] not in REDUCTIONS:
         raise ValueError(
             f"{call}: the loss must be reduced over microbatches by 'mean' or 'sum', not {reductions[0]!r}."

@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from .exiting import EXITING, exit_hard_after_failure, settle_at_exit
 
-__all__ = ["PPGroup", "pp_group", "PeerFailure", "DEFAULT_TIMEOUT"]
+__all__ = ["PPGroup", "pp_group", "start_group", "PeerFailure", "DEFAULT_TIMEOUT"]
 
 DEFAULT_TIMEOUT = 300.0
 _SEQ: dict[str, int] = {}  # pipelines called so far per process group (by its global ranks)
@@ -395,6 +395,17 @@ def _init_from_env(timeout: float) -> None:
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=delta)
 
 
+def start_group(timeout: float = DEFAULT_TIMEOUT) -> bool:
+    """Whether a default process group is up, starting it from torchrun's environment if it is not
+    yet (`pipeline`'s first call, `plan`); False in one process."""
+    if dist.is_initialized():
+        return True
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or "MASTER_ADDR" not in os.environ:
+        return False
+    _init_from_env(timeout)
+    return True
+
+
 def pp_group(mesh: Any = None, timeout: float = DEFAULT_TIMEOUT) -> PPGroup | None:
     """The pipeline group: the mesh's "pp" dimension, else all ranks; None in one process."""
     if mesh is not None:
@@ -404,10 +415,8 @@ def pp_group(mesh: Any = None, timeout: float = DEFAULT_TIMEOUT) -> PPGroup | No
             )
         group = mesh.get_group("pp")
     else:
-        if not dist.is_initialized():
-            if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or "MASTER_ADDR" not in os.environ:
-                return None
-            _init_from_env(timeout)
+        if not start_group(timeout):
+            return None
         group = dist.group.WORLD
     return group_of(group)
 

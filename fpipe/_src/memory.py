@@ -16,11 +16,13 @@ fake tensors (`memory_graph.profile`):
   groups; on gloo one group early), and sent values until this rank's next action has ended
   (the send thread keeps them until the peer has them: under a memory limit the runner waits
   for that there, `DistRunner.bound_sends`; without one a slow peer can make it later);
-- while a program runs, its own peak (`Profile.peak`: what it allocates that is alive at once).
+- while a program runs, its own peak (`Profile.peak`: what it allocates that is alive at once,
+  with the workspace of the kernel running: NOTE [kernel workspaces] in workspace.py).
 
 The peak is the largest held-plus-running total over the step. The parameters, module buffers
-and the call's data are the caller's and are not counted; neither are allocator slack, kernel
-workspaces and the few bytes of Python objects. A forward-only call holds less.
+and the call's data are the caller's and are not counted; neither are allocator slack, the
+workspaces of kernels workspace.py has no rule for (a matrix product's) and the few bytes of
+Python objects. A forward-only call holds less.
 """
 
 from __future__ import annotations
@@ -177,10 +179,12 @@ class _Replay:
         self.transient[a.stage] = max(self.transient.get(a.stage, 0), pr.peak)
         self.observe(str(a), a.stage, pr.peak)
         names = [*prog.inputs, *(("sum", i) for i in fused)]
+        seen: set[str] = set()  # a name listed twice (an I half's output sent and kept for W): one value
         for name, parts in zip(prog.outputs, pr.outputs):
             keys = [self._input_key(a.mb, names[o[1]]) if isinstance(o, tuple) else (a, k, o) for o in parts]
-            if not keys:
+            if not keys or name in seen:
                 continue
+            seen.add(name)
             self.env[a.mb, name] = keys
             for key, o in zip(keys, parts):
                 self.acc.hold(key, 0, pr.sizes.get(o, 0) if isinstance(o, int) else 0, a.stage, a.mb)

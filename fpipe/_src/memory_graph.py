@@ -11,7 +11,9 @@ writes or views.
 
 The generated code of an fx graph drops each value after its last use, so a storage lives from
 the node that creates it to the last use of any node holding it, or to the end if the program
-returns it. Kernel workspaces (inside a matrix product, say) are invisible here.
+returns it. A kernel's workspace, what it allocates and frees while it runs (a convolution's
+im2col columns), is held during its node, by the rule workspace.py registers for its operation
+(NOTE [kernel workspaces]).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .effects import output_alias
+from .workspace import workspace
 
 __all__ = ["Profile", "profile", "storage_bytes"]
 
@@ -120,7 +123,8 @@ def profile(gm: fx.GraphModule) -> Profile:
     for i, node in enumerate(nodes):
         walk.visit(i, node)
     end = _ends(nodes, walk)
-    return Profile(_peak(walk, end), *_outputs(nodes, walk))
+    held = {i: workspace(n) for i, n in enumerate(nodes) if n.op == "call_function"}
+    return Profile(_peak(walk, end, held), *_outputs(nodes, walk))
 
 
 def _ends(nodes: list[fx.Node], walk: _Walk) -> dict[int, int]:
@@ -134,8 +138,12 @@ def _ends(nodes: list[fx.Node], walk: _Walk) -> dict[int, int]:
     return end
 
 
-def _peak(walk: _Walk, end: dict[int, int]) -> int:
+def _peak(walk: _Walk, end: dict[int, int], workspaces: dict[int, int]) -> int:
+    """The most bytes alive at once: new storages, and each node's kernel workspace while it runs."""
     delta: dict[int, int] = {}
+    for i, size in workspaces.items():
+        delta[i] = delta.get(i, 0) + size
+        delta[i + 1] = delta.get(i + 1, 0) - size
     for sid, size in walk.sizes.items():
         delta[walk.born[sid]] = delta.get(walk.born[sid], 0) + size
         delta[end[sid] + 1] = delta.get(end[sid] + 1, 0) - size

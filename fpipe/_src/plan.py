@@ -13,11 +13,16 @@ tp in every tp group at once (plan_cost.py: NOTE [what the planner measures]); t
   + time outside actions (measured, shared over the pp ranks) + the optimizer step of the
   busiest rank's parameters + the all-reduce of its gradient bytes over dp (not overlapped:
   an upper bound; fpipe launches buckets as the pipeline drains);
-- peak = the busiest rank's predicted working memory (memory.py, its actions replayed alone)
+- peak = the busiest rank's predicted working memory (memory.py: `pipeline`'s prediction of
+  that rank's step, its receive buffers and sent values included; plan_cost.rank_memory)
   + its parameters, their optimizer state (AdamW: 2x), and with dp > 1 a copy of its gradients
   for the all-reduce buckets.
 
-Candidates over `memory_limit` are dropped; the rest are ranked by predicted step.
+Candidates whose peak is over `memory_limit` less the headroom `pipeline(memory_limit=)` keeps
+(`remat_choose.target_of`: 15 % for what the prediction does not see) are dropped; the rest are
+ranked by predicted step. Under torchrun `plan` starts the process group as `pipeline` does
+(`dist.start_group`): the ranks then measure together and agree on every figure, so every rank
+makes the same plan.
 """
 
 from __future__ import annotations
@@ -31,11 +36,13 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
+from .dist import start_group
 from .plan_cost import OPTIMIZERS, Links, StageTimes, crossing_bytes, rank_memory, world
 from .plan_measure import CACHE, Measured, measure, signature, tp_builds
 from .plan_table import table
 from .plan_tp import tp_layout
 from .plan_verify import verify as verify_
+from .remat_choose import HEADROOM_PERCENT, least_limit, target_of
 from .schedule import build, names
 from .schedule_data import Schedule
 from .simulate import simulate
@@ -268,7 +275,8 @@ def plan(
         params, example_args, example_kwargs: a step's inputs; tensors are split along dim 0
             (the global batch: each of dp replicas gets its share).
         world_size: the number of ranks (the job's size under torchrun).
-        memory_limit: bytes per rank; layouts predicted to need more are dropped.
+        memory_limit: bytes per rank; layouts predicted to need more than the limit less 15 %
+            (the headroom `pipeline(memory_limit=)` keeps) are dropped.
         optimizer: "adamw", "adam", "sgd" or "none": whose step time and state are counted.
         budget_s: seconds of measuring after which candidates not yet timed are dropped (the
             first of each dp x pp layout is always timed).
@@ -293,6 +301,7 @@ def plan(
             reachable).
     """
     call = f"plan({getattr(f, '__name__', repr(f))}, world_size={world_size!r})"
+    start_group()  # under torchrun, as pipeline() does: the ranks plan together
     _check(call, params, world_size, optimizer, verify)
     tp, tp_mesh = tp_layout(call, params, world_size)
     batch = _batch(call, example_args, example_kwargs)
@@ -341,7 +350,10 @@ def _best(
         raise ValueError(
             f"{call}: no layout fits memory_limit={limit} bytes; the least memory reachable is "
             f"{least.predicted_peak_bytes} bytes ({least.predicted_peak_bytes / 2**20:.1f} MiB, "
-            f"{least.layout}); raise memory_limit or use more ranks."
+            f"{least.layout}), so the least limit planned under is "
+            f"memory_limit={least_limit(least.predicted_peak_bytes)} (a plan keeps "
+            f"{HEADROOM_PERCENT}% below the limit for what its prediction does not see); raise "
+            "memory_limit or use more ranks."
         )
     fits.sort(key=lambda p: p.predicted_step_s)
     return dataclasses.replace(fits[0], candidates=tuple(fits), dropped=tuple(dropped), measure_s=seconds)
@@ -357,10 +369,9 @@ def _rank(
             dropped.append((_unmeasured(c, ms.tp), ms.skipped[c.config]))
             continue
         p = _predict(c, ms.times[c.config], ms, opt_factor)
-        if limit is not None and p.predicted_peak_bytes > limit:
-            dropped.append(
-                (p, f"peak {p.predicted_peak_bytes / 2**20:.1f} MiB > limit {limit / 2**20:.1f} MiB")
-            )
+        if limit is not None and p.predicted_peak_bytes > target_of(limit):
+            why = f"peak {p.predicted_peak_bytes / 2**20:.1f} MiB > limit {limit / 2**20:.1f} MiB"
+            dropped.append((p, f"{why} less {HEADROOM_PERCENT}%"))
         else:
             fits.append(p)
     return fits, dropped + [(_unmeasured_layout(s, ms.tp), s) for s in skipped]

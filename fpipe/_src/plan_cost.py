@@ -39,7 +39,8 @@ from .autodiff import value_and_grad
 from .memory import MemoryReport, predict
 from .plan_tp import tp_groups
 from .replicas import Groups
-from .run import LocalRunner, outputs_by_program
+from .run import LocalRunner
+from .run_dist import DistRunner
 from .schedule_data import Schedule
 
 __all__ = [
@@ -132,25 +133,27 @@ def measure_stages(
     return StageTimes(kinds, overhead, piped._last)
 
 
+@dataclasses.dataclass(frozen=True)
+class _RankView:
+    """What predicting one pipeline rank's step reads of its process group: a `DistRunner` built
+    over it plans its transfers and is replayed (`memory.predict`), never run."""
+
+    rank: int
+    device: torch.device
+
+
 def rank_memory(c: Any, sched: Schedule, n_mb: int) -> list[MemoryReport]:
-    """Each pipeline rank's predicted memory for `sched` over the compiled plan `c`, without a
-    process group: the rank's actions replayed alone (`memory.predict` over a view of a
-    `LocalRunner`). Receive buffers and values held for sends are not counted (a process
-    group's replay counts them: a few boundary activations)."""
+    """Each pipeline rank's predicted memory for `sched` over the compiled plan `c`, before any
+    process group: `memory.predict` of the runner the rank will run -- a `DistRunner` over a view
+    of the rank (its receive buffers and the values it sends counted, as `pipeline`'s own
+    prediction counts them), a `LocalRunner` at pp = 1."""
     st = c.staged
     summed = frozenset(st.n_outs + j for j in range(len(c.diff)))  # params: passed whole, summed
-    reports = []
-    for r in range(sched.pp):
-
-        def here(place: Any, r: int = r) -> bool:
-            return sched.stage_rank[place[1]] == r
-
-        view = LocalRunner(st, sched)
-        view.order = [a for a in view.order if here((a.kind, a.stage))]
-        view.refcount = {n: sum(1 for p in places if here(p)) for n, places in st.consumers.items()}
-        view._out_index = outputs_by_program(st, here)
-        reports.append(predict(st, view, summed, n_mb))
-    return reports
+    if sched.pp == 1:
+        return [predict(st, LocalRunner(st, sched), summed, n_mb)]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # (the group's backend)
+    views = [DistRunner(st, sched, _RankView(r, device), 0.0) for r in range(sched.pp)]  # type: ignore[arg-type]
+    return [predict(st, view, summed, n_mb) for view in views]
 
 
 def crossing_bytes(c: Any, sched: Schedule) -> tuple[int, int]:

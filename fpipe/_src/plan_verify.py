@@ -61,7 +61,7 @@ def step_seconds(f: Any, params: Any, args: Any, kwargs: Any, c: Any, optimizer:
         dist.barrier()
         start = time.perf_counter()
         _, grads = piped(mine, *args, **kwargs)
-        if cls is not None:
+        if cls is not None and grads:  # (a rank whose stages read no parameter has none)
             set_grads(mine, grads)
             opt = opt or cls([mine[k] for k in grads], lr=1e-3)
             opt.step()

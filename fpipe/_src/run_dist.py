@@ -78,10 +78,15 @@ class DistRunner:
         self.need = self.plan.need
         self.incoming = {(t.src, t.index): t for g in self.plan.groups[self.rank] for t in g.recvs}
         self.local_refs = self._local_refcounts()
-        self.reaper = send_reaper(pg, timeout)
         self.timeline = Timeline()
         self._out_index = outputs_by_program(staged, lambda place: self.rank_of(place) == self.rank)
         self.b_parts = self._plan_backward_parts()
+
+    @functools.cached_property
+    def reaper(self) -> SendReaper:
+        """The group's send thread, at the first step (a runner built to predict a rank's memory,
+        `plan_cost.rank_memory`, starts none)."""
+        return send_reaper(self.pg, self.timeout)
 
     @property
     def local_actions(self) -> list[Action]:

@@ -37,7 +37,7 @@ from generate_worker import (  # noqa: E402  (after the importorskip)
 )
 
 from fpipe._src import generate as generate_module  # noqa: E402
-from fpipe._src.decode import DATA, cache_layout  # noqa: E402
+from fpipe._src.decode import DATA  # noqa: E402
 
 STAGES = [1, 2, 4]
 _MODELS: dict[str, torch.nn.Module] = {}
@@ -80,7 +80,7 @@ def test_greedy_equals_generate_with_left_padding(name, stages):
     out = run(name, stages)
     assert torch.equal(out, expected), (out, expected)
     assert (mask == 0).any() and len(set(expected[:, PROMPT:].flatten().tolist())) > 3
-    programs = generate_module._PROGRAMS[model_of(name)]
+    programs = generate_module._TRACES[model_of(name)].programs
     traced = [k for k in programs if k[1] == stages]
     assert len(traced) == 2  # one prefill and one decode program serve all 8 steps
     assert {programs[k].staged.n_stages for k in traced} == {stages}
@@ -138,7 +138,7 @@ def test_streamer_gets_the_prompt_each_step_then_end():
 @pytest.mark.parametrize("name", FAMILIES)
 def test_each_stage_owns_its_layers_cache_written_in_place(name):
     run(name, 4)
-    programs = generate_module._PROGRAMS[model_of(name)]
+    programs = generate_module._TRACES[model_of(name)].programs
     for key, progs in programs.items():
         if key[1] != 4:
             continue
@@ -247,7 +247,9 @@ def test_on_ranks_equals_generate_and_each_rank_does_its_share(on_ranks, pp, nam
     ids, mask = prompt()
     expected = reference(model_of(name), ids, mask)
     eos_expected = reference(model_of(name), ids, mask, eos_token_id=eos_of(expected)).tolist()
-    _, kv_heads, head_dim = cache_layout(model_of(name))
+    cfg = model_of(name).config
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
     per_layer = 2 * (4 // MICROBATCHES) * kv_heads * (PROMPT + NEW) * head_dim * 8  # K and V, fp64
     whole = LAYERS * MICROBATCHES * per_layer
     for first in range(0, WORLD, pp):  # each pipeline: ranks first .. first + pp - 1

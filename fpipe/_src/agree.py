@@ -23,9 +23,10 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from .dist import PPGroup
-from .inputs import Inputs, tensor_key
+from .inputs import Inputs
 from .schedule_data import Schedule
 from .staged import Program, Staged
+from .trace_key import tensor_key
 
 __all__ = ["fingerprint", "gather_digests", "check_same_program"]
 

@@ -62,17 +62,14 @@ class Feed:
 class StageCaches:
     """The K/V buffers of this rank's stages, one set per microbatch, allocated here only."""
 
-    def __init__(
-        self, progs: Programs, stages: list[int], feed: Feed, layout: tuple[int, int, int], dtype: torch.dtype
-    ) -> None:
-        _, kv_heads, head_dim = layout
-        shape = (feed.rows, kv_heads, feed.mask.shape[1], head_dim)
+    def __init__(self, progs: Programs, stages: list[int], feed: Feed) -> None:
+        rows, n = feed.rows, feed.mask.shape[1]
         self.layers = [i for s in stages for i in progs.layers_of(s)]
         self.buffers = [
             {
-                f"{kind}{i}": torch.zeros(shape, dtype=dtype, device=feed.prompt.device)
+                f"{kind}{i}": torch.zeros(rows, heads, n, dim, dtype=dtype, device=feed.prompt.device)
                 for i in self.layers
-                for kind in "kv"
+                for kind, (heads, dim, dtype) in zip("kv", progs.layout[2 * i : 2 * i + 2])
             }
             for _ in range(feed.microbatches)
         ]

@@ -18,8 +18,9 @@ import torch
 from torch import nn
 
 from .agree import check_same_signature
-from .decode import Programs, Shapes, cache_layout, trace_programs
+from .decode import Programs, Shapes
 from .decode_run import Feed, StageCaches, run_local, run_rank
+from .decode_traces import StepTraces
 from .dist import DEFAULT_TIMEOUT, PPGroup, pp_group
 from .functionalize import functionalize
 from .generate_check import check_call, eos_and_pad, stage_count
@@ -27,9 +28,8 @@ from .generate_sample import Sampling, Selector
 
 __all__ = ["generate"]
 
-# traced programs per model and signature: a later generation of the same shapes traces nothing
-_PROGRAMS: weakref.WeakKeyDictionary[nn.Module, dict[Any, Programs]] = weakref.WeakKeyDictionary()
-_TRACED: weakref.WeakKeyDictionary[nn.Module, dict[str, dict[Any, Any]]] = weakref.WeakKeyDictionary()
+# traced programs per model and trace key: a later generation of the same key traces nothing
+_TRACES: weakref.WeakKeyDictionary[nn.Module, StepTraces] = weakref.WeakKeyDictionary()
 _GROUPS: dict[Any, PPGroup] = {}  # one PPGroup (and send thread) per process group
 
 
@@ -103,7 +103,7 @@ def generate(
     programs = _programs(model, feed, n_stages, input_ids.device)
     _, params = functionalize(model)
     mine = list(range(n_stages)) if pg is None else [pg.rank]
-    caches = StageCaches(programs(0), mine, feed, cache_layout(model), next(iter(params.values())).dtype)
+    caches = StageCaches(programs(0), mine, feed)
     selector = Selector(rule, input_ids.shape[0], eos, pad)
     progress = _Progress(input_ids, eos, streamer)
     with torch.no_grad():
@@ -155,18 +155,17 @@ def _feed(ids: torch.Tensor, mask: torch.Tensor, new: int, microbatches: int) ->
 
 def _programs(model: nn.Module, feed: Feed, stages: int, device: torch.device) -> Callable[[int], Programs]:
     """Step -> its programs: the prefill's (prompt length) at step 0, the decode's after; each
-    traced at its first use, and kept for the model's later generations of the same shapes."""
-    cached = _PROGRAMS.setdefault(model, {})
-    traced = _TRACED.setdefault(model, {})
-    dtype = next(model.parameters()).dtype
+    traced at its first use, and kept for the model's later generations of the same trace key
+    (NOTE [trace key]: a model moved to another dtype is traced again)."""
+    traces = _TRACES.setdefault(model, StepTraces())
     prompt, max_len = feed.prompt.shape[1], feed.mask.shape[1]
+    got: dict[int, Programs] = {}
 
     def get(step: int) -> Programs:
-        shapes = Shapes(feed.rows, prompt if step == 0 else 1, max_len)
-        key = (shapes, stages, device.type, dtype)
-        if key not in cached:
-            cached[key] = trace_programs(model, shapes, stages, device, traced.setdefault(device.type, {}))
-        return cached[key]
+        q = prompt if step == 0 else 1
+        if q not in got:
+            got[q] = traces.get(model, Shapes(feed.rows, q, max_len), stages, device)
+        return got[q]
 
     return get
 

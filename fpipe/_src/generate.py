@@ -25,6 +25,7 @@ from .dist import DEFAULT_TIMEOUT, PPGroup, pp_group
 from .functionalize import functionalize
 from .generate_check import check_call, eos_and_pad, stage_count
 from .generate_sample import Sampling, Selector
+from .generate_settings import resolve
 
 __all__ = ["generate"]
 
@@ -42,8 +43,8 @@ def generate(
     microbatches: int = 1,
     stages: int | None = None,
     mesh: Any = None,
-    do_sample: bool = False,
-    temperature: float = 1.0,
+    do_sample: bool | None = None,
+    temperature: float | None = None,
     top_k: int | None = None,
     top_p: float | None = None,
     seed: int | None = None,
@@ -98,13 +99,14 @@ def generate(
     n_stages = stage_count(call, model, stages, pg)
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(torch.long)
     eos, pad = eos_and_pad(model, eos_token_id)
-    rule = Sampling(do_sample, temperature, top_k, top_p, _seed(seed) if do_sample else 0)
+    rule, warp = resolve(call, model, do_sample, temperature, top_k, top_p)
+    rule = dataclasses.replace(rule, seed=_seed(seed) if rule.do_sample else 0)
     feed = _feed(input_ids, mask, max_new_tokens, microbatches)
     programs = _programs(model, feed, n_stages, input_ids.device)
     _, params = functionalize(model)
     mine = list(range(n_stages)) if pg is None else [pg.rank]
     caches = StageCaches(programs(0), mine, feed)
-    selector = Selector(rule, input_ids.shape[0], eos, pad)
+    selector = Selector(rule, warp, input_ids.shape[0], eos, pad)
     progress = _Progress(input_ids, eos, streamer)
     with torch.no_grad():
         if pg is None:

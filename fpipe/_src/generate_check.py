@@ -12,21 +12,6 @@ from .dist import PPGroup
 
 __all__ = ["check_call", "eos_and_pad", "stage_count"]
 
-# generation_config settings that add a logits processor fpipe.generate does not apply
-_PROCESSORS = {
-    "repetition_penalty": 1.0,
-    "no_repeat_ngram_size": 0,
-    "min_length": 0,
-    "min_new_tokens": None,
-    "bad_words_ids": None,
-    "forced_bos_token_id": None,
-    "forced_eos_token_id": None,
-    "suppress_tokens": None,
-    "begin_suppress_tokens": None,
-    "sequence_bias": None,
-    "num_beams": 1,
-}
-
 
 def check_call(
     model: nn.Module,
@@ -78,14 +63,6 @@ def _check_model(call: str, model: nn.Module) -> None:
     if model.training:
         raise ValueError(
             f"{call}: the model is in training mode (dropout would be active); call model.eval() first."
-        )
-    gc: Any = model.generation_config
-    set_ = [k for k, default in _PROCESSORS.items() if getattr(gc, k, default) not in (default, None, [], {})]
-    if set_:
-        raise ValueError(
-            f"{call}: the model's generation_config sets {set_}, which fpipe.generate does not "
-            "apply (it decodes greedily or samples with temperature/top_k/top_p only); set them to "
-            "their defaults, or use model.generate."
         )
 
 

@@ -78,3 +78,44 @@ def test_mixtral_in_float32():
     torch.manual_seed(0)
     cfg = transformers.MixtralConfig(**SIZES, num_local_experts=4, num_experts_per_tok=2, **COMMON)
     check(transformers.MixtralForCausalLM(cfg).eval(), prompt())
+
+
+def phi3_longrope(original: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    half = 4  # head_dim 8
+    rope = dict(
+        rope_type="longrope", rope_theta=10000.0, short_factor=[1.0] * half,
+        long_factor=[1.0 + 3 * i for i in range(half)], original_max_position_embeddings=original,
+    )  # fmt: skip
+    cfg = transformers.Phi3Config(
+        **SIZES, original_max_position_embeddings=original, rope_parameters=rope, **COMMON,
+        initializer_range=0.3,
+    )  # fmt: skip
+    return transformers.Phi3ForCausalLM(cfg).eval()
+
+
+def test_phi3_longrope_past_the_original_length_is_refused():
+    """Case 9: past original_max_position_embeddings transformers switches to the long factor
+    and recomputes its cache; fpipe kept the short factor (every row differed from there).
+    Refused by name (support: not done); within the original length the tokens are equal."""
+    model = phi3_longrope(original=8)
+    ids = prompt()
+    check(model, ids, new=3)  # 5 + 3 <= 8: the short factor throughout
+    with pytest.raises(
+        ValueError,
+        match=r"fpipe.generate\(Phi3ForCausalLM.*rope_type='longrope' switches .* "
+        r"original_max_position_embeddings=8.*prompt \+ max_new_tokens = 15 > 8. Keep prompt \+ "
+        r"max_new_tokens <= 8, or use model.generate",
+    ):
+        fpipe.generate(model, ids, max_new_tokens=10, stages=2)
+
+
+def test_a_rope_recomputed_from_the_length_in_python_is_refused():
+    """ "dynamic" rope: a raw DataDependentOutputException from inside the trace."""
+    torch.manual_seed(0)
+    rope = dict(rope_type="dynamic", factor=2.0, rope_theta=10000.0)
+    cfg = transformers.LlamaConfig(**SIZES, rope_parameters=rope, **COMMON)
+    with pytest.raises(
+        ValueError, match=r"rope_type='dynamic' computes its frequencies .* Use model.generate"
+    ):
+        fpipe.generate(transformers.LlamaForCausalLM(cfg).eval(), prompt(), max_new_tokens=2)

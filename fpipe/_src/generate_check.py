@@ -40,7 +40,46 @@ def check_call(
             f"{call}: batch size {ids.shape[0]} is not divisible by microbatches={microbatches}; "
             f"use a batch that is a multiple of {microbatches}, or a microbatch count that divides it."
         )
+    _check_rope(call, model, ids.shape[1] + new)
     return call
+
+
+# rotary embeddings whose frequencies do not depend on the positions of the call
+_STATIC_ROPE = {"default", "linear", "yarn", "llama3", "proportional"}
+
+
+def _check_rope(call: str, model: nn.Module, length: int) -> None:
+    """A rope whose frequencies depend on the sequence length is refused where fpipe's cache
+    would keep what transformers changes: "longrope" (Phi-3) switches from the short to the
+    long factor once the sequence passes original_max_position_embeddings, and transformers'
+    Phi-3 then recomputes its whole cache; "dynamic" recomputes its frequencies from the
+    length in Python, which a trace cannot follow."""
+    cfg: Any = model.config
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    per_type = params.values() if all(isinstance(v, dict) for v in params.values()) and params else [params]
+    for rope in per_type:
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind in _STATIC_ROPE:
+            continue
+        limit = rope.get("original_max_position_embeddings") or getattr(
+            cfg, "original_max_position_embeddings", None
+        )
+        if kind == "longrope" and limit is not None and length <= limit:
+            continue  # the short factor throughout, as in transformers
+        if kind == "longrope":
+            raise ValueError(
+                f"{call}: the model's rope_type='longrope' switches from the short to the long "
+                f"factor once the sequence passes original_max_position_embeddings={limit}, and "
+                "transformers then recomputes the whole cache; fpipe.generate's cache keeps the "
+                f"keys as first computed, and prompt + max_new_tokens = {length} > {limit}. Keep "
+                f"prompt + max_new_tokens <= {limit}, or use model.generate."
+            )
+        raise ValueError(
+            f"{call}: the model's rope_type={kind!r} computes its frequencies from the sequence "
+            "length at every step, which fpipe.generate's traced step cannot follow (it supports "
+            f"{sorted(_STATIC_ROPE)}, and 'longrope' within original_max_position_embeddings). "
+            "Use model.generate for this model."
+        )
 
 
 def _check_model(call: str, model: nn.Module) -> None:

@@ -10,7 +10,8 @@ Last, a failure: one rank's stage raises mid-generation, and every rank records 
 DeviceMesh (dp=2, pp=2): two independent 2-rank pipelines (`generate(..., mesh=mesh)`), each
 generating the same batch. Every rank builds the same tiny models (also imported by the test: `build`, `prompt`) and runs,
 per family: greedy generation of left-padded prompts with 2 microbatches; generation with EOS
-per sequence; a seeded sampled generation (the test compares them with the unsplit
+per sequence; a seeded sampled generation; then one generation where rank 1's prompt differs in
+one token (`values_differ`) (the test compares them with the unsplit
 `model.generate` and the one-process sampled result); and what this rank did -- the stages whose programs it ran, the operations
 they executed, the decoder layers whose K/V buffers it allocated -- and, on rank 0, the
 streamer's calls. It writes `DIR/rank{R}.json`. A case that raises ends the process (its peers then stop naming it,
@@ -133,6 +134,18 @@ def case(model: torch.nn.Module, share: Share, mesh: Any) -> dict[str, Any]:
     return res
 
 
+def values_differ(model: torch.nn.Module, rank: int) -> str:
+    """Rank 1 passes a prompt with one token changed (same shapes): every rank's error."""
+    ids, mask = prompt()
+    if rank == 1:
+        ids[0, -1] = ids[0, -1] % (VOCAB - 1) + 1
+    try:
+        fpipe.generate(model, ids, attention_mask=mask, max_new_tokens=2)
+    except ValueError as err:
+        return str(err)
+    return "ran"
+
+
 def run(out: str) -> None:
     """Every case, then the failure (which ends the process), in an initialised 4-rank group."""
     import torch.distributed as dist
@@ -145,6 +158,7 @@ def run(out: str) -> None:
         model = build(name)  # one model per family: both layouts reuse its traced step
         for pp, mesh in meshes.items():
             results[f"{name}-pp{pp}"] = case(model, share, mesh)
+    results["values_differ"] = values_differ(model, rank)
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(results, f)
     dist.barrier()

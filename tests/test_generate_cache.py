@@ -240,6 +240,17 @@ def test_a_failing_rank_stops_every_rank_naming_it(on_ranks):
             assert err.startswith(f"PeerFailure: fpipe rank {rank}: stopping while at step"), where
 
 
+def test_prompts_that_differ_in_value_across_ranks_are_refused_naming_values(on_ranks):
+    """Case 13: the refusal blamed "shapes, dtypes or structure" for a one-token difference."""
+    for rank in range(WORLD):
+        err = on_ranks[rank]["values_differ"]
+        assert (
+            "the values of input_ids (the prompts' tokens) differ between ranks [1] and ranks [0, 2, 3]"
+            in err
+        )
+        assert err.endswith("pass the same prompts and generation arguments on every rank."), err
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 @pytest.mark.parametrize("pp", [2, 4])
 def test_on_ranks_equals_generate_and_each_rank_does_its_share(on_ranks, pp, name):
@@ -269,4 +280,6 @@ def test_on_ranks_equals_generate_and_each_rank_does_its_share(on_ranks, pp, nam
         head = on_ranks[first][f"{name}-pp{pp}"]
         streamed = head["streamer"]
         assert streamed[-1] == "end" and len(streamed) == NEW + 2
+        for rank in range(first + 1, first + pp):  # case 13: only the head's streamer is called
+            assert on_ranks[rank][f"{name}-pp{pp}"]["streamer"] == [], (name, pp, rank)
         assert torch.equal(torch.tensor(streamed[1:-1]).T, torch.tensor(head["greedy"])[:, PROMPT:])

@@ -193,6 +193,27 @@ def check_same_signature(
         )
 
 
+def check_same_values(call: str, pg: PPGroup, parts: dict[str, Any], timeout: float, fix: str) -> None:
+    """Every rank must pass equal values: one all-gather of a digest per named part (a tensor's
+    bytes, or a value's repr); a difference names the first part that differs and the ranks."""
+    texts = [
+        v.cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes().hex()
+        if isinstance(v, torch.Tensor)
+        else repr(v)
+        for v in parts.values()
+    ]
+    every = gather_digests(
+        pg, [digest(t) for t in texts], timeout, "comparing the call's arguments across ranks"
+    )
+    for j, name in enumerate(parts):
+        differ = odd_ranks([v[j] for v in every])
+        if differ is not None:
+            ranks = [[pg.global_rank(r) for r in side] for side in differ]
+            raise ValueError(
+                f"{call}: the {name} differ between ranks {ranks[0]} and ranks {ranks[1]}; {fix}"
+            )
+
+
 def check_same_slices(
     call: str, dp: PPGroup, key: Any, inp: Inputs, names: list[str], timeout: float
 ) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .agree import check_same_signature
+from .agree import check_same_values
 from .decode import Programs, Shapes
 from .decode_run import Feed, StageCaches, run_local, run_rank
 from .decode_traces import StepTraces
@@ -78,8 +78,9 @@ def generate(
         seed: the sampling seed (default: drawn from torch's global generator).
         eos_token_id: an id or ids that end a sequence (default: the model's generation_config).
         streamer: an object with `put(tokens)` and `end()` (transformers' `TextStreamer`): `put`
-            gets the prompt, then each step's new tokens `[batch]`, then `end()` is called; under
-            torchrun it is called on rank 0.
+            gets the prompt, then each step's new tokens `[batch]`, then `end()` is called. Under
+            torchrun only rank 0's streamer is called (rank 0 has each step's tokens first);
+            another rank's gets no call at all.
 
     Returns:
         `[batch, prompt + n]` long tensor: the prompts and the n <= max_new_tokens new tokens.
@@ -107,9 +108,10 @@ def generate(
     mine = list(range(n_stages)) if pg is None else [pg.rank]
     caches = StageCaches(programs(0), mine, feed)
     selector = Selector(rule, warp, input_ids.shape[0], eos, pad)
-    progress = _Progress(input_ids, eos, streamer)
+    progress = _Progress(input_ids, eos, streamer if pg is None or pg.rank == 0 else None)
     with torch.no_grad():
         if pg is None:
+            progress.start()
             tokens = run_local(programs, params, feed, caches, _select(selector, feed), progress.step)
             new = torch.cat([torch.cat(row) for row in tokens], dim=1)
         else:
@@ -117,6 +119,7 @@ def generate(
             _same_on_every_rank(
                 call, pg, input_ids, mask, (max_new_tokens, microbatches, eos, pad), rule, seed
             )
+            progress.start()
             tokens = run_rank(
                 programs, params, feed, caches, _select(selector, feed), pg, DEFAULT_TIMEOUT, progress.step
             )
@@ -129,11 +132,18 @@ def _same_on_every_rank(
     call: str, pg: PPGroup, ids: torch.Tensor, mask: torch.Tensor, settings: Any, rule: Sampling, seed: Any
 ) -> None:
     """Every rank must pass the same prompts and settings (each computes positions and masks
-    from its own; rank 0 feeds its prompts): one all-gather of a digest, before any transfer.
-    An unseeded draw's seed matters on the last rank only."""
+    from its own; rank 0 feeds its prompts): one all-gather of a digest per part, before any
+    transfer; a difference names the part. An unseeded draw's seed matters on the last rank only."""
     rule = rule if seed is not None else dataclasses.replace(rule, seed=0)
-    key = (ids.tolist(), mask.tolist(), settings, rule)
-    check_same_signature(call, pg, key, [tuple(ids.shape), tuple(mask.shape)], DEFAULT_TIMEOUT)
+    parts = {
+        "shapes or dtypes of input_ids and attention_mask": [(t.shape, t.dtype) for t in (ids, mask)],
+        "values of input_ids (the prompts' tokens)": ids,
+        "values of attention_mask": mask,
+        "max_new_tokens, microbatches, EOS or pad ids": settings,
+        "decoding settings (do_sample, temperature, top_k, top_p, seed)": rule,
+    }
+    fix = "pass the same prompts and generation arguments on every rank."
+    check_same_values(call, pg, parts, DEFAULT_TIMEOUT, fix)
 
 
 def _group(mesh: Any) -> PPGroup | None:
@@ -195,8 +205,12 @@ class _Progress:
     def __init__(self, prompt: torch.Tensor, eos: list[int], streamer: Any) -> None:
         self.eos, self.streamer = torch.tensor(eos, dtype=torch.long), streamer
         self.unfinished = torch.ones(prompt.shape[0], dtype=torch.bool)
-        if streamer is not None:
-            streamer.put(prompt.cpu())
+        self.prompt = prompt
+
+    def start(self) -> None:
+        """The prompt to the streamer, as transformers puts it first (the call was checked)."""
+        if self.streamer is not None:
+            self.streamer.put(self.prompt.cpu())
 
     def step(self, step: int, row: list[torch.Tensor]) -> bool:
         """Step `step`'s tokens of every microbatch are known; True once every sequence ended."""

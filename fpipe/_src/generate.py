@@ -74,7 +74,11 @@ def generate(
         microbatches: groups of rows in flight; must divide the batch.
         stages: pipeline stages (one process: default 1; under torchrun: the number of ranks).
         mesh: a DeviceMesh whose "pp" dimension is the pipeline (default: every rank).
-        do_sample, temperature, top_k, top_p: the decoding rule, as in transformers.
+        do_sample, temperature, top_k, top_p: the decoding rule, as in transformers: each left
+            None takes the model's generation_config value, else transformers' default (top_k
+            50 when sampling); checked and applied by transformers' warpers. Any other
+            generation_config setting that changes the tokens is refused by name
+            (NOTE [generation settings]).
         seed: the sampling seed (default: drawn from torch's global generator).
         eos_token_id: an id or ids that end a sequence (default: the model's generation_config).
         streamer: an object with `put(tokens)` and `end()` (transformers' `TextStreamer`): `put`

@@ -10,7 +10,8 @@ Last, a failure: one rank's stage raises mid-generation, and every rank records 
 DeviceMesh (dp=2, pp=2): two independent 2-rank pipelines (`generate(..., mesh=mesh)`), each
 generating the same batch. Every rank builds the same tiny models (also imported by the test: `build`, `prompt`) and runs,
 per family: greedy generation of left-padded prompts with 2 microbatches; generation with EOS
-per sequence; a seeded sampled generation; then one generation where rank 1's prompt differs in
+per sequence; a seeded sampled generation; then Phi-3 with long rope past its original length
+on 4 stages (`phi3_refill`, NOTE [a refill]), and one generation where rank 1's prompt differs in
 one token (`values_differ`) (the test compares them with the unsplit
 `model.generate` and the one-process sampled result); and what this rank did -- the stages whose programs it ran, the operations
 they executed, the decoder layers whose K/V buffers it allocated -- and, on rank 0, the
@@ -35,6 +36,7 @@ DT = torch.float64
 VOCAB, LAYERS, BATCH, PROMPT, NEW, MICROBATCHES = 64, 4, 4, 6, 8, 2
 FAMILIES = ["gpt2", "llama", "qwen2"]
 SAMPLING = dict(do_sample=True, temperature=0.8, top_k=20, top_p=0.9, seed=7)
+REFILL_AT = 8  # phi3's original_max_position_embeddings: prompt 6 + 8 new tokens pass it
 
 
 def build(name: str) -> torch.nn.Module:
@@ -54,6 +56,15 @@ def build(name: str) -> torch.nn.Module:
         )  # fmt: skip
         if name == "llama":
             model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes, **common))
+        elif name == "phi3":  # long rope past original_max_position_embeddings: NOTE [a refill]
+            rope = dict(
+                rope_type="longrope", rope_theta=10000.0, short_factor=[1.0] * 4,
+                long_factor=[1.0, 4.0, 7.0, 10.0], original_max_position_embeddings=REFILL_AT,
+            )  # fmt: skip
+            cfg = transformers.Phi3Config(
+                **sizes, **common, original_max_position_embeddings=REFILL_AT, rope_parameters=rope
+            )
+            model = transformers.Phi3ForCausalLM(cfg)
         else:
             model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**sizes, **common))
     return model.to(DT).eval()
@@ -158,6 +169,9 @@ def run(out: str) -> None:
         model = build(name)  # one model per family: both layouts reuse its traced step
         for pp, mesh in meshes.items():
             results[f"{name}-pp{pp}"] = case(model, share, mesh)
+    ids, _ = prompt()  # unpadded: each microbatch's rope switches at the batch's step
+    kw = dict(max_new_tokens=NEW, microbatches=MICROBATCHES)
+    results["phi3_refill"] = fpipe.generate(build("phi3"), ids, **kw).tolist()
     results["values_differ"] = values_differ(model, rank)
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(results, f)

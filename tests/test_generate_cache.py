@@ -28,6 +28,7 @@ from generate_worker import (  # noqa: E402  (after the importorskip)
     MICROBATCHES,
     NEW,
     PROMPT,
+    REFILL_AT,
     SAMPLING,
     Recorder,
     build,
@@ -238,6 +239,18 @@ def test_a_failing_rank_stops_every_rank_naming_it(on_ranks):
             assert err.startswith("RuntimeError: fpipe rank 2 failed"), where
         else:
             assert err.startswith(f"PeerFailure: fpipe rank {rank}: stopping while at step"), where
+
+
+def test_a_refill_on_ranks_equals_generate(on_ranks):
+    """NOTE [a refill] on 4 ranks: Phi-3's long rope past original_max_position_embeddings,
+    the whole sequence fed again at the step transformers does it, 2 microbatches."""
+    ids, _ = prompt()
+    expected = build("phi3").generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False
+    )
+    assert PROMPT + NEW > REFILL_AT + 1
+    for rank in range(WORLD):
+        assert on_ranks[rank]["phi3_refill"] == expected.tolist(), rank
 
 
 def test_prompts_that_differ_in_value_across_ranks_are_refused_naming_values(on_ranks):

@@ -94,20 +94,26 @@ def phi3_longrope(original: int) -> torch.nn.Module:
     return transformers.Phi3ForCausalLM(cfg).eval()
 
 
-def test_phi3_longrope_past_the_original_length_is_refused():
+@pytest.mark.parametrize("prompt_len", [5, 9])  # the switch after the prompt; the prompt past it
+def test_phi3_longrope_past_the_original_length_equals_generate(prompt_len):
     """Case 9: past original_max_position_embeddings transformers switches to the long factor
-    and recomputes its cache; fpipe kept the short factor (every row differed from there).
-    Refused by name (support: not done); within the original length the tokens are equal."""
+    and feeds the whole sequence again; fpipe kept the short factor (every row differed from
+    there). NOTE [a refill]: left-padded prompts, 2 stages, the switch at step 4 (5 + 4 = 8 + 1)."""
     model = phi3_longrope(original=8)
-    ids = prompt()
-    check(model, ids, new=3)  # 5 + 3 <= 8: the short factor throughout
+    ids = torch.randint(1, VOCAB, (2, prompt_len), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    out = fpipe.generate(model, ids, attention_mask=mask, max_new_tokens=8, stages=2)
+    assert torch.equal(out, expected), (out, expected)
     with pytest.raises(
         ValueError,
         match=r"fpipe.generate\(Phi3ForCausalLM.*rope_type='longrope' switches .* "
-        r"original_max_position_embeddings=8.*prompt \+ max_new_tokens = 15 > 8. Keep prompt \+ "
-        r"max_new_tokens <= 8, or use model.generate",
+        r"original_max_position_embeddings=8 .*each microbatch would switch at its own step.*"
+        r"Pass microbatches=1, or prompts of one length",
     ):
-        fpipe.generate(model, ids, max_new_tokens=10, stages=2)
+        fpipe.generate(model, ids, attention_mask=mask, max_new_tokens=8, stages=2, microbatches=2)
 
 
 def test_a_rope_recomputed_from_the_length_in_python_is_refused():

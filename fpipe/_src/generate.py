@@ -23,7 +23,7 @@ from .decode_run import Feed, StageCaches, run_local, run_rank
 from .decode_traces import StepTraces
 from .dist import DEFAULT_TIMEOUT, PPGroup, pp_group
 from .functionalize import functionalize
-from .generate_check import check_call, eos_and_pad, stage_count
+from .generate_check import check_call, eos_and_pad, refill_step, stage_count
 from .generate_sample import Sampling, Selector
 from .generate_settings import resolve
 
@@ -106,7 +106,9 @@ def generate(
     eos, pad = eos_and_pad(model, eos_token_id)
     rule, warp = resolve(call, model, do_sample, temperature, top_k, top_p)
     rule = dataclasses.replace(rule, seed=_seed(seed) if rule.do_sample else 0)
-    feed = _feed(input_ids, mask, max_new_tokens, microbatches)
+    feed = _feed(
+        input_ids, mask, max_new_tokens, microbatches, refill_step(model, input_ids.shape[1], max_new_tokens)
+    )
     programs = _programs(model, feed, n_stages, input_ids.device)
     _, params = functionalize(model)
     mine = list(range(n_stages)) if pg is None else [pg.rank]
@@ -161,24 +163,25 @@ def _seed(seed: int | None) -> int:
     return int(torch.randint(0, 2**62, ())) if seed is None else int(seed)
 
 
-def _feed(ids: torch.Tensor, mask: torch.Tensor, new: int, microbatches: int) -> Feed:
+def _feed(ids: torch.Tensor, mask: torch.Tensor, new: int, microbatches: int, refill: int | None) -> Feed:
     """The prompt, its positions (as transformers numbers left-padded prompts) and the mask over
     the whole buffer (ones after the prompt: causality masks what is not written yet)."""
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
     full = torch.cat([mask, mask.new_ones(mask.shape[0], new)], dim=1)
-    return Feed(ids, full, positions, microbatches, new)
+    return Feed(ids, full, positions, microbatches, new, refill)
 
 
 def _programs(model: nn.Module, feed: Feed, stages: int, device: torch.device) -> Callable[[int], Programs]:
-    """Step -> its programs: the prefill's (prompt length) at step 0, the decode's after; each
-    traced at its first use, and kept for the model's later generations of the same trace key
-    (NOTE [trace key]: a model moved to another dtype is traced again)."""
+    """Step -> its programs: the prefill's (prompt length) at step 0, the decode's after, a
+    refill's (NOTE [a refill]); each traced at its first use, and kept for the model's later
+    generations of the same trace key (NOTE [trace key]: a model moved to another dtype is
+    traced again)."""
     traces = _TRACES.setdefault(model, StepTraces())
-    prompt, max_len = feed.prompt.shape[1], feed.mask.shape[1]
+    max_len = feed.mask.shape[1]
     got: dict[int, Programs] = {}
 
     def get(step: int) -> Programs:
-        q = prompt if step == 0 else 1
+        q = feed.q(step)
         if q not in got:
             got[q] = traces.get(model, Shapes(feed.rows, q, max_len), stages, device)
         return got[q]

@@ -10,8 +10,8 @@ Last, a failure: one rank's stage raises mid-generation, and every rank records 
 DeviceMesh (dp=2, pp=2): two independent 2-rank pipelines (`generate(..., mesh=mesh)`), each
 generating the same batch. Every rank builds the same tiny models (also imported by the test: `build`, `prompt`) and runs,
 per family: greedy generation of left-padded prompts with 2 microbatches; generation with EOS
-per sequence; a seeded sampled generation; then Phi-3 with long rope past its original length
-on 4 stages (`phi3_refill`, NOTE [a refill]), and one generation where rank 1's prompt differs in
+per sequence; a seeded sampled generation; then Phi-3 with long rope (refused on ranks,
+`phi3_on_ranks`), and one generation where rank 1's prompt differs in
 one token (`values_differ`) (the test compares them with the unsplit
 `model.generate` and the one-process sampled result); and what this rank did -- the stages whose programs it ran, the operations
 they executed, the decoder layers whose K/V buffers it allocated -- and, on rank 0, the
@@ -56,7 +56,7 @@ def build(name: str) -> torch.nn.Module:
         )  # fmt: skip
         if name == "llama":
             model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes, **common))
-        elif name == "phi3":  # long rope past original_max_position_embeddings: NOTE [a refill]
+        elif name == "phi3":  # long rope: refused on ranks
             rope = dict(
                 rope_type="longrope", rope_theta=10000.0, short_factor=[1.0] * 4,
                 long_factor=[1.0, 4.0, 7.0, 10.0], original_max_position_embeddings=REFILL_AT,
@@ -169,9 +169,11 @@ def run(out: str) -> None:
         model = build(name)  # one model per family: both layouts reuse its traced step
         for pp, mesh in meshes.items():
             results[f"{name}-pp{pp}"] = case(model, share, mesh)
-    ids, _ = prompt()  # unpadded: each microbatch's rope switches at the batch's step
-    kw = dict(max_new_tokens=NEW, microbatches=MICROBATCHES)
-    results["phi3_refill"] = fpipe.generate(build("phi3"), ids, **kw).tolist()
+    try:  # refused on ranks: it stalled there (docs/GENERATION.md)
+        fpipe.generate(build("phi3"), prompt()[0], max_new_tokens=2, microbatches=MICROBATCHES)
+        results["phi3_on_ranks"] = "ran"
+    except ValueError as err:
+        results["phi3_on_ranks"] = str(err)
     results["values_differ"] = values_differ(model, rank)
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(results, f)

@@ -40,7 +40,7 @@ def check_call(
             f"{call}: batch size {ids.shape[0]} is not divisible by microbatches={microbatches}; "
             f"use a batch that is a multiple of {microbatches}, or a microbatch count that divides it."
         )
-    _check_rope(call, model, ids, mask, new, microbatches)
+    _check_rope(call, model, ids, mask, new, microbatches, pg)
     return call
 
 
@@ -71,7 +71,13 @@ def refill_step(model: nn.Module, prompt: int, new: int) -> int | None:
 
 
 def _check_rope(
-    call: str, model: nn.Module, ids: torch.Tensor, mask: torch.Tensor | None, new: int, microbatches: int
+    call: str,
+    model: nn.Module,
+    ids: torch.Tensor,
+    mask: torch.Tensor | None,
+    new: int,
+    microbatches: int,
+    pg: PPGroup | None,
 ) -> None:
     """A rope whose frequencies depend on the sequence: "longrope" decides per forward from the
     largest position id of the rows it sees, so microbatches of left-padded prompts would decide
@@ -87,6 +93,13 @@ def _check_rope(
         limit = rope.get("original_max_position_embeddings") or getattr(
             cfg, "original_max_position_embeddings", None
         )
+        if kind == "longrope" and pg is not None:
+            raise ValueError(
+                f"{call}: the model's rope_type='longrope' rewrites its rotary inv_freq buffer in "
+                "place at every step; under torchrun such a generation stalled in testing (a "
+                "stage's receive never completed), so it is not supported on ranks. Run it in "
+                "one process (stages=N), or use model.generate."
+            )
         length = ids.shape[1] + new
         padded = mask is not None and bool((mask == 0).any())
         if kind == "longrope" and (limit is None or length <= limit or microbatches == 1 or not padded):

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import Shard, distribute_tensor
 
 import fpipe
 from fpipe._src import replicas
@@ -72,6 +73,24 @@ def reduce(mesh: Any) -> dict[str, Any]:
     }
 
 
+def sharded(mesh: Any) -> dict[str, Any]:
+    """fp32 master weights sharded over dp (DTensors, Shard(0)) computed in bf16: each rank's
+    gradients are fp32 shards of the global gradient (the shard's master copy only)."""
+    p, x, y = setup()
+    bf = {k: v.bfloat16() for k, v in p.items()}
+    ref = torch.func.grad(mlp)({k: v.double() for k, v in bf.items()}, x.bfloat16().double(), y.double())
+    given = {k: distribute_tensor(v, mesh["dp"], [Shard(0)]) for k, v in p.items()}
+    dp_rank = mesh.get_local_rank("dp")
+    piped = fpipe.pipeline(
+        mlp, mesh=mesh, microbatches=M, precision=fpipe.Precision(param_dtype=torch.bfloat16)
+    )
+    grads = fpipe.grad(piped)(given, x.bfloat16().chunk(2)[dp_rank], y.bfloat16().chunk(2)[dp_rank])
+    return {
+        "types": sorted({f"{type(g).__name__} {g.dtype}" for g in grads.values()}),
+        "err": rel_err({k: g.full_tensor() for k, g in grads.items()}, ref),
+    }
+
+
 def scaler(mesh: Any) -> dict[str, Any]:
     """fp16 with an agreed loss scale: an inf on rank 3 alone, then a finite step."""
     p, x, y = setup()
@@ -97,7 +116,7 @@ def scaler(mesh: Any) -> dict[str, Any]:
 
 def run(mesh: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for name, case in (("reduce", reduce), ("scaler", scaler)):
+    for name, case in (("reduce", reduce), ("sharded", sharded), ("scaler", scaler)):
         try:
             out[name] = case(mesh)
         except Exception as err:  # recorded; the test names the case

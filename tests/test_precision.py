@@ -148,6 +148,16 @@ def test_gradients_are_reduced_over_dp_in_fp32_under_a_bf16_policy(ranks):
         assert r["err"] <= 1.1 * r["unsplit_err"], r
 
 
+def test_fp32_master_weights_sharded_over_dp_get_fp32_gradient_shards(ranks):
+    """Master weights as DTensors sharded over dp (each rank holds its shard's master copy only),
+    computed in bf16: the gradients are fp32 DTensor shards, as accurate as unsharded."""
+    for rec in ranks:
+        r = rec["sharded"]
+        assert "error" not in r, r
+        assert r["types"] == ["DTensor torch.float32"], r
+        assert r["err"] <= 1.1 * rec["reduce"]["unsplit_err"], (r, rec["reduce"])
+
+
 def test_an_inf_on_one_rank_makes_every_rank_skip_the_step_and_halve_the_scale(ranks):
     """fp16 compute, `fpipe.LossScaler`: rank 3 alone finds an inf; all four ranks skip (unscale_
     returns False, gradients left as they are) and halve 1024 to 512; the next, finite step is

@@ -9,6 +9,7 @@ torch thread. Modes, each with fpipe.value_and_grad over the same batch:
   fp32        fp32 parameters, no policy.
   bf16        fp32 master weights, Precision(param_dtype=bf16): cast once per step, sums in fp32,
               fp32 gradients.
+  bf16-params bf16 parameters, no policy: no cast, sums in fp32, bf16 gradients (the default).
   bf16-acc16  bf16 parameters, Precision(accum_dtype=bf16): sums in bf16 (fpipe before issue 29).
 Printed: the median step time of each mode (rounds alternate the order, after one warm-up
 step each), and their ratios to fp32. With --curve N: N AdamW steps of fp32 and of bf16 from the
@@ -38,11 +39,12 @@ BF16 = torch.bfloat16
 MODES: dict[str, tuple[torch.dtype, fpipe.Precision | None]] = {
     "fp32": (torch.float32, None),
     "bf16": (torch.float32, fpipe.Precision(param_dtype=BF16)),
+    "bf16-params": (BF16, None),
     "bf16-acc16": (BF16, fpipe.Precision(accum_dtype=BF16)),
 }
 
 
-def build(args: argparse.Namespace) -> tuple[Any, dict[str, torch.Tensor], Any]:
+def build(args: argparse.Namespace, seed: int = 1) -> tuple[Any, dict[str, torch.Tensor], Any]:
     cfg = models.GPTConfig(vocab=args.vocab, seq=args.seq, d_model=args.d_model, heads=4, layers=args.layers)
     torch.manual_seed(0)
     fn, params = fpipe.functionalize(models.GPT(cfg, models.cuts_for(cfg, 2)))
@@ -50,7 +52,7 @@ def build(args: argparse.Namespace) -> tuple[Any, dict[str, torch.Tensor], Any]:
     def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return models.lm_loss(fn(p, x).float(), y)
 
-    return loss_fn, {k: v.detach() for k, v in params.items()}, models.make_batch(cfg, args.batch, 1)
+    return loss_fn, {k: v.detach() for k, v in params.items()}, models.make_batch(cfg, args.batch, seed)
 
 
 def step_times(args: argparse.Namespace) -> dict[str, float]:
@@ -72,12 +74,13 @@ def step_times(args: argparse.Namespace) -> dict[str, float]:
 
 
 def curve(args: argparse.Namespace, policy: fpipe.Precision | None) -> list[float]:
-    loss_fn, init, (x, y) = build(args)
+    loss_fn, init, _ = build(args)
     params = {k: v.clone() for k, v in init.items()}
     opt = torch.optim.AdamW(params.values(), lr=3e-3)
     step = fpipe.value_and_grad(fpipe.pipeline(loss_fn, microbatches=args.microbatches, precision=policy))
     losses = []
-    for _ in range(args.curve):
+    for i in range(args.curve):  # a fresh batch each step (random tokens: the loss falls to ~ln(vocab))
+        x, y = build(args, seed=100 + i)[2]
         loss, grads = step(params, x, y)
         fpipe.set_grads(params, grads)
         opt.step()

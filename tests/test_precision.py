@@ -211,3 +211,10 @@ def test_the_example_gpt_trains_in_bf16_under_the_policy_like_fp32():
     fp32, bf16 = curve(None), curve(fpipe.Precision(param_dtype=BF16))
     assert fp32[-1] < fp32[0] - 0.3, fp32  # it trains
     assert all(abs(a - b) <= 0.02 * a for a, b in zip(fp32, bf16)), (fp32, bf16)
+
+
+def test_the_memory_prediction_counts_bf16_gradient_sums_in_fp32():
+    """`memory_report` replays the runner: bf16 parameters' gradient sums are held in fp32."""
+    p, x, y, _ = setup()
+    report = fpipe.pipeline(mlp, microbatches=4).memory_report(p, x, y)
+    assert sum(s.grads for s in report.stages) == sum(v.numel() * 4 for v in p.values())

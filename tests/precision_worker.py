@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import fpipe
+from fpipe._src import precision as precision_
 from fpipe._src import replicas
 
 D, BATCH, M = 8, 32, 4
@@ -66,11 +67,31 @@ def reduce(mesh: Any) -> dict[str, Any]:
     finally:
         replicas.for_reduce = real
     return {
+        "real_casts": real_casts(mesh, piped, p, x, y),
         "reduce_dtypes": sorted(set(seen)),
         "grad_dtypes": sorted({str(g.dtype) for g in grads.values()}),
         "err": rel_err(grads, ref),
         "unsplit_err": rel_err({k: unsplit[k] for k in grads}, ref),
     }
+
+
+def real_casts(
+    mesh: Any, piped: Any, p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor
+) -> list[int]:
+    """Another step with other ranks' parameters on the meta device (as `materialize` gives
+    them): [real parameters cast, this rank's stages' parameters]."""
+    pp_rank = mesh.get_local_rank("pp")
+    mine = {k for k, r in piped.param_owner().items() if r == pp_rank}
+    given = {k: v if k in mine else torch.empty_like(v, device="meta") for k, v in p.items()}
+    casts: list[int] = []
+    real = precision_.cast_leaf
+    precision_.cast_leaf = lambda t, d: casts.append(int(not t.is_meta)) or real(t, d)  # type: ignore[assignment]
+    try:
+        dp_rank = mesh.get_local_rank("dp")
+        fpipe.grad(piped)(given, x.bfloat16().chunk(2)[dp_rank], y.bfloat16().chunk(2)[dp_rank])
+    finally:
+        precision_.cast_leaf = real
+    return [sum(casts), len(mine)]
 
 
 def sharded(mesh: Any) -> dict[str, Any]:

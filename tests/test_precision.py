@@ -148,6 +148,12 @@ def test_gradients_are_reduced_over_dp_in_fp32_under_a_bf16_policy(ranks):
         assert r["err"] <= 1.1 * r["unsplit_err"], r
 
 
+def test_each_rank_casts_only_its_own_stages_parameters_once_per_step(ranks):
+    """Other ranks' parameters on the meta device: a step casts exactly this rank's real ones
+    (stage 0: w0, b0, w1, b1; stage 1: w2, b2), once each."""
+    assert sorted(rec["reduce"]["real_casts"] for rec in ranks) == [[2, 2], [2, 2], [4, 4], [4, 4]]
+
+
 def test_fp32_master_weights_sharded_over_dp_get_fp32_gradient_shards(ranks):
     """Master weights as DTensors sharded over dp (each rank holds its shard's master copy only),
     computed in bf16: the gradients are fp32 DTensor shards, as accurate as unsharded."""

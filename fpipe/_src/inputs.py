@@ -37,6 +37,7 @@ class Inputs:
     # tensor parallelism: the layout of each parameter that came as a DTensor on mesh["tp"] (its
     # leaf above is then the local shard), else None (NOTE [tensor-parallel tracing] in tp.py)
     tp: list[Any] | None = None
+    passed: list[torch.dtype] | None = None  # params' dtypes as passed, before a precision cast
 
     def key(self, device_type: str) -> tuple[Any, ...]:
         """Everything a trace depends on (NOTE [trace key] in trace_key.py); `device_type`:

@@ -22,5 +22,7 @@ from ._src.optim import clip_grad_norm_ as clip_grad_norm_
 from ._src.optim import set_grads as set_grads
 from ._src.plan import Plan as Plan
 from ._src.plan import plan as plan
+from ._src.precision import Precision as Precision
+from ._src.scaler import LossScaler as LossScaler
 
 __version__ = "0.1.0"

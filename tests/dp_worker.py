@@ -13,6 +13,7 @@ import json
 import os
 from typing import Any
 
+import precision_worker
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -394,6 +395,7 @@ def run(out: str) -> None:
     rec["indivisible"] = indivisible(mesh)
     rec["no_replicas"] = no_replicas()
     rec["gather_log"] = gather_log(mesh)
+    rec["precision"] = precision_worker.run(mesh)  # tests/test_precision.py
     try:
         rec["plan"] = planned()
     except Exception as err:  # recorded; the test names it

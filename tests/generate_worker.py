@@ -10,7 +10,9 @@ Last, a failure: one rank's stage raises mid-generation, and every rank records 
 DeviceMesh (dp=2, pp=2): two independent 2-rank pipelines (`generate(..., mesh=mesh)`), each
 generating the same batch. Every rank builds the same tiny models (also imported by the test: `build`, `prompt`) and runs,
 per family: greedy generation of left-padded prompts with 2 microbatches; generation with EOS
-per sequence; a seeded sampled generation (the test compares them with the unsplit
+per sequence; a seeded sampled generation; then Phi-3 with long rope (refused on ranks,
+`phi3_on_ranks`), and one generation where rank 1's prompt differs in
+one token (`values_differ`) (the test compares them with the unsplit
 `model.generate` and the one-process sampled result); and what this rank did -- the stages whose programs it ran, the operations
 they executed, the decoder layers whose K/V buffers it allocated -- and, on rank 0, the
 streamer's calls. It writes `DIR/rank{R}.json`. A case that raises ends the process (its peers then stop naming it,
@@ -34,6 +36,7 @@ DT = torch.float64
 VOCAB, LAYERS, BATCH, PROMPT, NEW, MICROBATCHES = 64, 4, 4, 6, 8, 2
 FAMILIES = ["gpt2", "llama", "qwen2"]
 SAMPLING = dict(do_sample=True, temperature=0.8, top_k=20, top_p=0.9, seed=7)
+REFILL_AT = 8  # phi3's original_max_position_embeddings: prompt 6 + 8 new tokens pass it
 
 
 def build(name: str) -> torch.nn.Module:
@@ -53,6 +56,15 @@ def build(name: str) -> torch.nn.Module:
         )  # fmt: skip
         if name == "llama":
             model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes, **common))
+        elif name == "phi3":  # long rope: refused on ranks
+            rope = dict(
+                rope_type="longrope", rope_theta=10000.0, short_factor=[1.0] * 4,
+                long_factor=[1.0, 4.0, 7.0, 10.0], original_max_position_embeddings=REFILL_AT,
+            )  # fmt: skip
+            cfg = transformers.Phi3Config(
+                **sizes, **common, original_max_position_embeddings=REFILL_AT, rope_parameters=rope
+            )
+            model = transformers.Phi3ForCausalLM(cfg)
         else:
             model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**sizes, **common))
     return model.to(DT).eval()
@@ -133,6 +145,18 @@ def case(model: torch.nn.Module, share: Share, mesh: Any) -> dict[str, Any]:
     return res
 
 
+def values_differ(model: torch.nn.Module, rank: int) -> str:
+    """Rank 1 passes a prompt with one token changed (same shapes): every rank's error."""
+    ids, mask = prompt()
+    if rank == 1:
+        ids[0, -1] = ids[0, -1] % (VOCAB - 1) + 1
+    try:
+        fpipe.generate(model, ids, attention_mask=mask, max_new_tokens=2)
+    except ValueError as err:
+        return str(err)
+    return "ran"
+
+
 def run(out: str) -> None:
     """Every case, then the failure (which ends the process), in an initialised 4-rank group."""
     import torch.distributed as dist
@@ -145,6 +169,12 @@ def run(out: str) -> None:
         model = build(name)  # one model per family: both layouts reuse its traced step
         for pp, mesh in meshes.items():
             results[f"{name}-pp{pp}"] = case(model, share, mesh)
+    try:  # refused on ranks: it stalled there (docs/GENERATION.md)
+        fpipe.generate(build("phi3"), prompt()[0], max_new_tokens=2, microbatches=MICROBATCHES)
+        results["phi3_on_ranks"] = "ran"
+    except ValueError as err:
+        results["phi3_on_ranks"] = str(err)
+    results["values_differ"] = values_differ(model, rank)
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(results, f)
     dist.barrier()

@@ -197,8 +197,8 @@ def test_programs_accumulate_the_gradients(zoo, monkeypatch, kind, schedule):
     rewritten, put, programs = [], [], {}
     accumulating, results_put = run.accumulating, run.Results.put
 
-    def spy_accumulating(prog, names):
-        gm, done = accumulating(prog, names)
+    def spy_accumulating(prog, names, *widen):
+        gm, done = accumulating(prog, names, *widen)
         rewritten.extend(name for name, _ in done)
         programs[id(gm)] = gm
         return gm, done

@@ -23,9 +23,10 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from .dist import PPGroup
-from .inputs import Inputs, tensor_key
+from .inputs import Inputs
 from .schedule_data import Schedule
 from .staged import Program, Staged
+from .trace_key import tensor_key
 
 __all__ = ["fingerprint", "gather_digests", "check_same_program"]
 
@@ -190,6 +191,27 @@ def check_same_signature(
             "rank must pass inputs of the same signature (a rank that does not use an input may "
             f"pass a meta tensor of the same shape). This rank's data shapes: {shapes}."
         )
+
+
+def check_same_values(call: str, pg: PPGroup, parts: dict[str, Any], timeout: float, fix: str) -> None:
+    """Every rank must pass equal values: one all-gather of a digest per named part (a tensor's
+    bytes, or a value's repr); a difference names the first part that differs and the ranks."""
+    texts = [
+        v.cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes().hex()
+        if isinstance(v, torch.Tensor)
+        else repr(v)
+        for v in parts.values()
+    ]
+    every = gather_digests(
+        pg, [digest(t) for t in texts], timeout, "comparing the call's arguments across ranks"
+    )
+    for j, name in enumerate(parts):
+        differ = odd_ranks([v[j] for v in every])
+        if differ is not None:
+            ranks = [[pg.global_rank(r) for r in side] for side in differ]
+            raise ValueError(
+                f"{call}: the {name} differ between ranks {ranks[0]} and ranks {ranks[1]}; {fix}"
+            )
 
 
 def check_same_slices(

@@ -22,6 +22,7 @@ from .checkpoint_job import check_earlier
 from .compiler import Compiled, Compiler
 from .config import Config
 from .dist import DEFAULT_TIMEOUT, PeerFailure, PPGroup
+from .precision import Precision, cast_inputs
 from .replicas import Groups, mesh_groups
 from .run import Results, Timeline
 from .schedule import Schedule
@@ -84,6 +85,7 @@ class Pipelined:
         g = self._groups
         inputs_.refuse_transforms_in_a_group(self.cfg.call, g.pp or g.dp or g.tp)
         inp = localize(self.cfg.call, inputs_.flatten(self.cfg, params, args, kwargs), g.tp_mesh)
+        inp = cast_inputs(self.cfg.precision, inp)  # once per step (precision.py)
         mbs = inputs_.split(self.cfg, inp, self._groups.replicas)
         return inp, mbs, self._compiler.get(inp, mbs[0], grad_of, has_aux)
 
@@ -116,8 +118,7 @@ class Pipelined:
         return outputs.values(self.pg, self.dp, c, results.per_mb, self.cfg.microbatches, self.cfg.timeout)
 
     def _guarded(self, fn: Callable[..., Any], params: Any, args: Args, kwargs: Kwargs, *rest: Any) -> Any:
-        """Run `fn`, one call at a time; in a process group, a failure here is reported so
-        every rank stops."""
+        """Run `fn`, one call at a time; in a process group, a failure is reported to every rank."""
         if not self._busy.acquire(blocking=False):
             raise RuntimeError(
                 f"{self.cfg.call}: called while another call of the same pipeline is running "
@@ -155,8 +156,8 @@ class Pipelined:
     # -- what this rank holds -------------------------------------------------------------------
     @property
     def timeline(self) -> Timeline | None:
-        """The last step's executed actions with timestamps (`.chrome()` gives trace JSON; set
-        FPIPE_TRACE=prefix to write `prefix.rankR.json` after every step)."""
+        """The last step's actions with timestamps (`.chrome()`: trace JSON; FPIPE_TRACE=prefix
+        writes `prefix.rankR.json` each step)."""
         return self._last.runner.timeline if self._last is not None else None
 
     @property
@@ -171,8 +172,7 @@ class Pipelined:
 
     @staticmethod
     def local(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This rank's entries of a params dict (those not on the meta device): what to give the
-        optimizer."""
+        """This rank's entries of a params dict (not on the meta device): for the optimizer."""
         return {k: v for k, v in params.items() if not v.is_meta}
 
     def materialize(
@@ -203,11 +203,8 @@ class Pipelined:
 
         params = {n: p.detach() for n, p in module.named_parameters()}
         _, _, c = self._get(params, args, kwargs, None, False)
-        dev = (
-            torch.device(device)
-            if device is not None
-            else (self.pg.device if self.pg else torch.device("cpu"))
-        )
+        dev = self.pg.device if self.pg else torch.device("cpu")
+        dev = torch.device(device) if device is not None else dev
         return materialize_plan(module, self.pg, c, self._cache.values(), dev, state_dict, init)
 
 
@@ -226,6 +223,7 @@ def pipeline(
     cuts: Any = None,
     plan: Any = None,
     memory_limit: int | None = None,
+    precision: Precision | None = None,
 ) -> Pipelined:
     """Cut `f` into pipeline stages and run it over microbatches.
 
@@ -253,9 +251,8 @@ def pipeline(
             that crashes or is killed ends the others at once (its connections close; they wait
             up to 2 s for its own report of why, then name it): no timeout is involved.
         compile: compile every stage program with `torch.compile` (True, or a dict of its
-            keyword arguments) at its first run. Off by default: on the benchmark GPT it took
-            40-50 s at the first call on a 2-core CPU and the programs ran no faster there or
-            on one H200 (see docs/BENCHMARKS.md); try it on your model and device.
+            keyword arguments) at its first run. Off by default: on the benchmark GPT it took 40-50 s
+            at the first call on a 2-core CPU and ran no faster there or on one H200 (docs/BENCHMARKS.md).
         partition: how `stages=N` cuts a function without boundaries: "estimate" (default;
             a static cost model, deterministic, needs no real tensors) or "measure" (each
             operation's forward + backward timed on the device at one microbatch's shapes,
@@ -272,6 +269,7 @@ def pipeline(
             measure); fpipe recomputes saved values inside the backward programs, per stage, to
             fit (NOTE [meeting a memory limit] in remat_choose.py). A limit it cannot meet is a
             ValueError at the first call, before anything runs.
+        precision: an `fpipe.Precision`: compute, accumulation, dp-reduction and gradient dtypes.
 
     Returns:
         A `Pipelined` callable with `f`'s signature; use it under `fpipe.value_and_grad`,
@@ -294,7 +292,7 @@ def pipeline(
     settings = dict(
         stages=stages, microbatches=microbatches, schedule=schedule, in_axes=in_axes, out_axes=out_axes,
         mesh=mesh, timeout=timeout, compile=compile, partition=partition, cuts=cuts,
-        memory_limit=memory_limit,
+        memory_limit=memory_limit, precision=precision,
     )  # fmt: skip
     settings = plan.settings(settings) if plan is not None else settings
     Config(f, **settings).check()

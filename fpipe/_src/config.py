@@ -13,6 +13,7 @@ from typing import Any
 
 from .cuts import check_cuts
 from .dist import DEFAULT_TIMEOUT
+from .precision import check as check_precision
 from .schedule import Schedule, names
 
 REDUCTIONS = ("mean", "sum")
@@ -39,6 +40,7 @@ class Config:
     partition: str = "estimate"
     cuts: Any = None  # module paths where stages begin (NOTE [cuts by module path] in cuts.py)
     memory_limit: int | None = None  # bytes per rank (NOTE [meeting a memory limit] in remat_choose.py)
+    precision: Any = None  # a Precision (NOTE [precision policy] in precision.py)
     costs: Any = None  # measured per-operation costs to cut by, shared (fpipe.plan's; compiler.py)
 
     @property
@@ -66,6 +68,7 @@ class Config:
                 "static cost model) or 'measure' (time each operation on the device)."
             )
         check_cuts(call, self.cuts)
+        check_precision(call, self.precision)
         lim = self.memory_limit
         if lim is not None and (isinstance(lim, bool) or not isinstance(lim, int) or lim <= 0):
             raise ValueError(

@@ -32,9 +32,11 @@ from .split import split
 from .staged import Program, Staged
 from .trace import Forward, make_fakes, trace_forward
 
-__all__ = ["Programs", "Shapes", "trace_programs", "decoder_blocks", "cache_layout"]
+__all__ = ["Layout", "Programs", "Shapes", "decoder_blocks", "example", "trace_programs", "trace_step"]
 
 DATA = ("ids", "mask", "positions", "offset")  # the data inputs before the K/V buffers
+# the K/V buffers' layout: (heads, head dim, dtype) of k0, v0, k1, v1, ... (`decode_traces.kv_layout`)
+Layout = list[tuple[int, int, torch.dtype]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +59,7 @@ class Programs:
     # placeholder name -> (the captured tensor as traced, the module buffer it is, or None)
     consts: dict[str, tuple[torch.Tensor, Any]]
     logits: str  # the output value's name
+    layout: Layout  # of the K/V buffers, k0, v0, k1, ...
 
     def program(self, stage: int) -> Program:
         return self.staged.programs["F", stage]
@@ -101,16 +104,7 @@ def stage_cuts(model: nn.Module, stages: int) -> list[int]:
     return [(s * n) // stages for s in range(1, stages)]
 
 
-def cache_layout(model: nn.Module) -> tuple[int, int, int]:
-    """(layers, kv heads, head dim) of the model's attention, from its config."""
-    cfg: Any = model.config
-    heads = cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    return cfg.num_hidden_layers, kv_heads, head_dim
-
-
-def _forward_kwargs(model: nn.Module) -> dict[str, Any]:
+def forward_kwargs(model: nn.Module) -> dict[str, Any]:
     """How this model's forward takes the cache (`cache`, or `past_key_values` before 5.x's
     rename) and whether it computes the logits of the last position only."""
     accepted = inspect.signature(model.forward).parameters
@@ -120,25 +114,19 @@ def _forward_kwargs(model: nn.Module) -> dict[str, Any]:
     return extra
 
 
-def _cache_kwarg(model: nn.Module) -> str:
+def cache_kwarg(model: nn.Module) -> str:
     accepted = inspect.signature(model.forward).parameters
     return "cache" if "cache" in accepted else "past_key_values"
 
 
-def trace_programs(
-    model: nn.Module, shapes: Shapes, stages: int, device: torch.device, traced: dict[Any, Forward]
-) -> Programs:
-    """The model's step at `shapes`, cut into `stages` stages at decoder blocks, with each
-    stage's cache writes in place (NOTE [stage-resident state]). The forward is traced once per
-    shape with a boundary before every block (`traced` keeps it), and each stage count keeps
-    the boundaries where its stages begin: changing `stages` traces nothing again."""
+def trace_programs(model: nn.Module, fwd: Forward, stages: int, layout: Layout) -> Programs:
+    """The traced step `fwd` cut into `stages` stages at decoder blocks, with each stage's
+    cache writes in place (NOTE [stage-resident state]). The forward is traced once per key with
+    a boundary before every block, and each stage count keeps the boundaries where its stages
+    begin: changing `stages` traces nothing again."""
     call = f"fpipe.generate({type(model).__name__}, stages={stages})"
-    if shapes not in traced:
-        traced[shapes] = trace_step(call, model, shapes, device)
-    fwd = traced[shapes]
     staged = split(call, _forward_as_joint(_keeping(fwd, stage_cuts(model, stages))), stages)
-    n_layers = cache_layout(model)[0]
-    kv_names = [f"{kind}{i}" for i in range(n_layers) for kind in "kv"]
+    kv_names = [f"{kind}{i}" for i in range(len(layout) // 2) for kind in "kv"]
     data = dict(zip([*DATA, *kv_names], staged.data_inputs))
     written = {n for p in staged.programs.values() for n in inplace_cache_writes(p.gm)}
     missing = [k for k in kv_names if data[k] not in written]
@@ -151,7 +139,8 @@ def trace_programs(
         )
     names = [n for n, _ in _param_items(model)]
     consts = dict(zip(staged.const_inputs, zip(fwd.consts, fwd.sources)))
-    return Programs(staged, data, dict(zip(staged.param_inputs, names)), consts, staged.out_names[0])
+    params = dict(zip(staged.param_inputs, names))
+    return Programs(staged, data, params, consts, staged.out_names[0], layout)
 
 
 def _param_items(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -175,15 +164,14 @@ def _keeping(fwd: Forward, cuts: list[int]) -> Forward:
     return dataclasses.replace(fwd, gm=fx.GraphModule(fwd.gm, graph))
 
 
-def trace_step(call: str, model: nn.Module, shapes: Shapes, device: torch.device) -> Forward:
+def trace_step(call: str, model: nn.Module, shapes: Shapes, device: torch.device, layout: Layout) -> Forward:
     """Trace the model's step at `shapes` on fake tensors (no memory), a boundary before
     every decoder block."""
     from .kv_cache import SlotCache  # (transformers: imported when a step is traced, not by fpipe)
 
     fn, params = functionalize(model)
     names = list(params)
-    n_layers, kv_heads, head_dim = cache_layout(model)
-    extra, cache_kw = _forward_kwargs(model), _cache_kwarg(model)
+    extra, cache_kw = forward_kwargs(model), cache_kwarg(model)
 
     def step(p: dict[str, torch.Tensor], ids: Any, mask: Any, positions: Any, offset: Any, *kv: Any) -> Any:
         cache = SlotCache(list(zip(kv[0::2], kv[1::2])), offset)
@@ -193,20 +181,15 @@ def trace_step(call: str, model: nn.Module, shapes: Shapes, device: torch.device
     def rebuild(leaves: list[torch.Tensor]) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
         return dict(zip(names, leaves[: len(names)])), tuple(leaves[len(names) :]), {}
 
-    dtype = next(iter(params.values())).dtype
-    meta = _example(shapes, n_layers, kv_heads, head_dim, dtype)
-    _, fakes = make_fakes([*params.values(), *meta], device)
+    _, fakes = make_fakes([*params.values(), *example(shapes, layout)], device)
     path, n = decoder_blocks(model)
     every = [f"{path}.{i}" for i in range(1, n)] or None
     return trace_forward(call, step, rebuild, fakes, len(names), device, every)
 
 
-def _example(
-    shapes: Shapes, n_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype
-) -> list[torch.Tensor]:
+def example(shapes: Shapes, layout: Layout) -> list[torch.Tensor]:
     """Meta tensors of one microbatch's step inputs (traced as fakes on the data's device)."""
     b, q, n = shapes.rows, shapes.q, shapes.max_len
     meta = torch.device("meta")
     data = [torch.empty(s, dtype=torch.long, device=meta) for s in [(b, q), (b, n), (b, q), ()]]
-    buf = torch.empty(b, kv_heads, n, head_dim, dtype=dtype, device=meta)
-    return [*data, *([buf] * (2 * n_layers))]
+    return [*data, *(torch.empty(b, h, n, d, dtype=dt, device=meta) for h, d, dt in layout)]

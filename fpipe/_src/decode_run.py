@@ -43,18 +43,34 @@ class Feed:
     positions: torch.Tensor  # [batch, P]
     microbatches: int
     steps: int
+    refill: int | None = None  # the step that feeds the whole sequence again (NOTE [a refill])
 
     @property
     def rows(self) -> int:
         return self.prompt.shape[0] // self.microbatches
 
-    def data(self, step: int, mb: int, tokens: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        """The inputs of (step, mb); the token ids only where they are known (`tokens`: the
-        microbatch's previous tokens, on stage 0), as only stage 0 reads them."""
+    def q(self, step: int) -> int:
+        """How many tokens step `step` feeds: the prompt, the whole sequence at a refill, or one."""
+        return self.prompt.shape[1] + step if step in (0, self.refill) else 1
+
+    def data(self, step: int, mb: int, history: list[torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        """The inputs of (step, mb); the token ids only where they are known (`history`: the
+        microbatch's tokens of the steps before, on stage 0), as only stage 0 reads them."""
         rows = slice(mb * self.rows, (mb + 1) * self.rows)
-        ids = self.prompt[rows] if step == 0 else tokens
-        pos = self.positions[rows] if step == 0 else self.positions[rows, -1:] + step
-        offset = 0 if step == 0 else self.prompt.shape[1] + step - 1
+        prompt, q = self.prompt[rows], self.q(step)
+        if step == 0:
+            ids: torch.Tensor | None = prompt
+        elif history is None:
+            ids = None
+        else:
+            ids = history[-1] if q == 1 else torch.cat([prompt, *history], dim=1)
+        last = self.positions[rows, -1:]
+        if q == 1:
+            pos = last + step
+        else:  # the prompt's positions, then those of the tokens fed since
+            new = last + torch.arange(1, step + 1, device=last.device)
+            pos = torch.cat([self.positions[rows], new], dim=1)
+        offset = self.prompt.shape[1] + step - q
         out = {"mask": self.mask[rows], "positions": pos, "offset": torch.tensor(offset)}
         return out if ids is None else {"ids": ids, **out}
 
@@ -62,17 +78,14 @@ class Feed:
 class StageCaches:
     """The K/V buffers of this rank's stages, one set per microbatch, allocated here only."""
 
-    def __init__(
-        self, progs: Programs, stages: list[int], feed: Feed, layout: tuple[int, int, int], dtype: torch.dtype
-    ) -> None:
-        _, kv_heads, head_dim = layout
-        shape = (feed.rows, kv_heads, feed.mask.shape[1], head_dim)
+    def __init__(self, progs: Programs, stages: list[int], feed: Feed) -> None:
+        rows, n = feed.rows, feed.mask.shape[1]
         self.layers = [i for s in stages for i in progs.layers_of(s)]
         self.buffers = [
             {
-                f"{kind}{i}": torch.zeros(shape, dtype=dtype, device=feed.prompt.device)
+                f"{kind}{i}": torch.zeros(rows, heads, n, dim, dtype=dtype, device=feed.prompt.device)
                 for i in self.layers
-                for kind in "kv"
+                for kind, (heads, dim, dtype) in zip("kv", progs.layout[2 * i : 2 * i + 2])
             }
             for _ in range(feed.microbatches)
         ]
@@ -115,7 +128,7 @@ def run_local(
         row = []
         for mb in range(feed.microbatches):
             env: dict[str, Any] = {
-                **feed.data(step, mb, tokens[-1][mb] if step else None),
+                **feed.data(step, mb, [row[mb] for row in tokens]),
                 **caches.buffers[mb],
             }
             for stage in range(progs.staged.n_stages):
@@ -169,7 +182,8 @@ class _Rank:
         caches: StageCaches,
         select: Select,
     ) -> list[list[torch.Tensor]]:
-        feed, tokens = self.feed, []
+        feed = self.feed
+        tokens: list[list[Any]] = []  # on stage 0: tokens[step][mb], the tokens it fed
         for step in range(feed.steps):
             progs = programs(step)
             row: list[Any] = []  # on stage 0: the tokens of the step before
@@ -177,7 +191,8 @@ class _Rank:
                 self.where = f"step {step} (stage {self.stage}, microbatch {mb})"
                 fed = self._token(step - 1, mb) if self.stage == 0 and step else None
                 row.append(fed)
-                env: dict[str, Any] = {**feed.data(step, mb, fed), **caches.buffers[mb]}
+                history = [r[mb] for r in tokens[1:]] + [fed] if fed is not None else None
+                env: dict[str, Any] = {**feed.data(step, mb, history), **caches.buffers[mb]}
                 env.update(self._receive(progs, step, mb))
                 run_stage(progs, self.stage, env, params)
                 self._send(progs, env, step, mb, select)

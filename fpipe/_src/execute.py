@@ -21,6 +21,7 @@ from .config import Config
 from .dist import PPGroup
 from .inputs import Inputs, device_of
 from .outputs import local_inputs
+from .precision import hand_back
 from .replicas import GradReducer
 from .rng import set_step
 from .run import Results
@@ -66,9 +67,11 @@ def execute(
             summed,
             after=_each(reducer and reducer.after, gatherer and gatherer.after),
             before=gatherer.before if gatherer else None,
+            precision=cfg.precision,
         )
         if reducer is not None:
             reducer.finish(results)
+        hand_back(cfg.precision, inp, c, results)
     trace = os.environ.get("FPIPE_TRACE")
     if trace:
         c.runner.timeline.write(f"{trace}.rank{pg.rank if pg else 0}.json")
@@ -82,7 +85,8 @@ def _reducer(cfg: Config, dp: PPGroup | None, inp: Inputs, c: Compiled, summed: 
     st, params = c.staged, inp.param_leaves
     positions = {st.n_outs + j: pos for j, pos in enumerate(c.diff) if pos < len(params)}
     sharded = {i: params[pos] for i, pos in positions.items() if isinstance(params[pos], DTensor)}
-    return GradReducer(dp, c, c.runner.local_actions, summed, sharded, cfg.timeout)  # type: ignore[arg-type]
+    actions = c.runner.local_actions
+    return GradReducer(dp, c, actions, summed, sharded, cfg.timeout, cfg.precision)  # type: ignore[arg-type]
 
 
 def _gatherer(

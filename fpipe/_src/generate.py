@@ -17,19 +17,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from .agree import check_same_signature
-from .decode import Programs, Shapes, cache_layout, trace_programs
+from .agree import check_same_values
+from .decode import Programs, Shapes
 from .decode_run import Feed, StageCaches, run_local, run_rank
+from .decode_traces import StepTraces
 from .dist import DEFAULT_TIMEOUT, PPGroup, pp_group
 from .functionalize import functionalize
-from .generate_check import check_call, eos_and_pad, stage_count
+from .generate_check import check_call, eos_and_pad, refill_step, stage_count
 from .generate_sample import Sampling, Selector
+from .generate_settings import resolve
 
 __all__ = ["generate"]
 
-# traced programs per model and signature: a later generation of the same shapes traces nothing
-_PROGRAMS: weakref.WeakKeyDictionary[nn.Module, dict[Any, Programs]] = weakref.WeakKeyDictionary()
-_TRACED: weakref.WeakKeyDictionary[nn.Module, dict[str, dict[Any, Any]]] = weakref.WeakKeyDictionary()
+# traced programs per model and trace key: a later generation of the same key traces nothing
+_TRACES: weakref.WeakKeyDictionary[nn.Module, StepTraces] = weakref.WeakKeyDictionary()
 _GROUPS: dict[Any, PPGroup] = {}  # one PPGroup (and send thread) per process group
 
 
@@ -42,8 +43,8 @@ def generate(
     microbatches: int = 1,
     stages: int | None = None,
     mesh: Any = None,
-    do_sample: bool = False,
-    temperature: float = 1.0,
+    do_sample: bool | None = None,
+    temperature: float | None = None,
     top_k: int | None = None,
     top_p: float | None = None,
     seed: int | None = None,
@@ -73,12 +74,17 @@ def generate(
         microbatches: groups of rows in flight; must divide the batch.
         stages: pipeline stages (one process: default 1; under torchrun: the number of ranks).
         mesh: a DeviceMesh whose "pp" dimension is the pipeline (default: every rank).
-        do_sample, temperature, top_k, top_p: the decoding rule, as in transformers.
+        do_sample, temperature, top_k, top_p: the decoding rule, as in transformers: each left
+            None takes the model's generation_config value, else transformers' default (top_k
+            50 when sampling); checked and applied by transformers' warpers. Any other
+            generation_config setting that changes the tokens is refused by name
+            (NOTE [generation settings]).
         seed: the sampling seed (default: drawn from torch's global generator).
         eos_token_id: an id or ids that end a sequence (default: the model's generation_config).
         streamer: an object with `put(tokens)` and `end()` (transformers' `TextStreamer`): `put`
-            gets the prompt, then each step's new tokens `[batch]`, then `end()` is called; under
-            torchrun it is called on rank 0.
+            gets the prompt, then each step's new tokens `[batch]`, then `end()` is called. Under
+            torchrun only rank 0's streamer is called (rank 0 has each step's tokens first);
+            another rank's gets no call at all.
 
     Returns:
         `[batch, prompt + n]` long tensor: the prompts and the n <= max_new_tokens new tokens.
@@ -98,16 +104,20 @@ def generate(
     n_stages = stage_count(call, model, stages, pg)
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(torch.long)
     eos, pad = eos_and_pad(model, eos_token_id)
-    rule = Sampling(do_sample, temperature, top_k, top_p, _seed(seed) if do_sample else 0)
-    feed = _feed(input_ids, mask, max_new_tokens, microbatches)
+    rule, warp = resolve(call, model, do_sample, temperature, top_k, top_p)
+    rule = dataclasses.replace(rule, seed=_seed(seed) if rule.do_sample else 0)
+    feed = _feed(
+        input_ids, mask, max_new_tokens, microbatches, refill_step(model, input_ids.shape[1], max_new_tokens)
+    )
     programs = _programs(model, feed, n_stages, input_ids.device)
     _, params = functionalize(model)
     mine = list(range(n_stages)) if pg is None else [pg.rank]
-    caches = StageCaches(programs(0), mine, feed, cache_layout(model), next(iter(params.values())).dtype)
-    selector = Selector(rule, input_ids.shape[0], eos, pad)
-    progress = _Progress(input_ids, eos, streamer)
+    caches = StageCaches(programs(0), mine, feed)
+    selector = Selector(rule, warp, input_ids.shape[0], eos, pad)
+    progress = _Progress(input_ids, eos, streamer if pg is None or pg.rank == 0 else None)
     with torch.no_grad():
         if pg is None:
+            progress.start()
             tokens = run_local(programs, params, feed, caches, _select(selector, feed), progress.step)
             new = torch.cat([torch.cat(row) for row in tokens], dim=1)
         else:
@@ -115,6 +125,7 @@ def generate(
             _same_on_every_rank(
                 call, pg, input_ids, mask, (max_new_tokens, microbatches, eos, pad), rule, seed
             )
+            progress.start()
             tokens = run_rank(
                 programs, params, feed, caches, _select(selector, feed), pg, DEFAULT_TIMEOUT, progress.step
             )
@@ -127,11 +138,18 @@ def _same_on_every_rank(
     call: str, pg: PPGroup, ids: torch.Tensor, mask: torch.Tensor, settings: Any, rule: Sampling, seed: Any
 ) -> None:
     """Every rank must pass the same prompts and settings (each computes positions and masks
-    from its own; rank 0 feeds its prompts): one all-gather of a digest, before any transfer.
-    An unseeded draw's seed matters on the last rank only."""
+    from its own; rank 0 feeds its prompts): one all-gather of a digest per part, before any
+    transfer; a difference names the part. An unseeded draw's seed matters on the last rank only."""
     rule = rule if seed is not None else dataclasses.replace(rule, seed=0)
-    key = (ids.tolist(), mask.tolist(), settings, rule)
-    check_same_signature(call, pg, key, [tuple(ids.shape), tuple(mask.shape)], DEFAULT_TIMEOUT)
+    parts = {
+        "shapes or dtypes of input_ids and attention_mask": [(t.shape, t.dtype) for t in (ids, mask)],
+        "values of input_ids (the prompts' tokens)": ids,
+        "values of attention_mask": mask,
+        "max_new_tokens, microbatches, EOS or pad ids": settings,
+        "decoding settings (do_sample, temperature, top_k, top_p, seed)": rule,
+    }
+    fix = "pass the same prompts and generation arguments on every rank."
+    check_same_values(call, pg, parts, DEFAULT_TIMEOUT, fix)
 
 
 def _group(mesh: Any) -> PPGroup | None:
@@ -145,28 +163,28 @@ def _seed(seed: int | None) -> int:
     return int(torch.randint(0, 2**62, ())) if seed is None else int(seed)
 
 
-def _feed(ids: torch.Tensor, mask: torch.Tensor, new: int, microbatches: int) -> Feed:
+def _feed(ids: torch.Tensor, mask: torch.Tensor, new: int, microbatches: int, refill: int | None) -> Feed:
     """The prompt, its positions (as transformers numbers left-padded prompts) and the mask over
     the whole buffer (ones after the prompt: causality masks what is not written yet)."""
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
     full = torch.cat([mask, mask.new_ones(mask.shape[0], new)], dim=1)
-    return Feed(ids, full, positions, microbatches, new)
+    return Feed(ids, full, positions, microbatches, new, refill)
 
 
 def _programs(model: nn.Module, feed: Feed, stages: int, device: torch.device) -> Callable[[int], Programs]:
-    """Step -> its programs: the prefill's (prompt length) at step 0, the decode's after; each
-    traced at its first use, and kept for the model's later generations of the same shapes."""
-    cached = _PROGRAMS.setdefault(model, {})
-    traced = _TRACED.setdefault(model, {})
-    dtype = next(model.parameters()).dtype
-    prompt, max_len = feed.prompt.shape[1], feed.mask.shape[1]
+    """Step -> its programs: the prefill's (prompt length) at step 0, the decode's after, a
+    refill's (NOTE [a refill]); each traced at its first use, and kept for the model's later
+    generations of the same trace key (NOTE [trace key]: a model moved to another dtype is
+    traced again)."""
+    traces = _TRACES.setdefault(model, StepTraces())
+    max_len = feed.mask.shape[1]
+    got: dict[int, Programs] = {}
 
     def get(step: int) -> Programs:
-        shapes = Shapes(feed.rows, prompt if step == 0 else 1, max_len)
-        key = (shapes, stages, device.type, dtype)
-        if key not in cached:
-            cached[key] = trace_programs(model, shapes, stages, device, traced.setdefault(device.type, {}))
-        return cached[key]
+        q = feed.q(step)
+        if q not in got:
+            got[q] = traces.get(model, Shapes(feed.rows, q, max_len), stages, device)
+        return got[q]
 
     return get
 
@@ -194,8 +212,12 @@ class _Progress:
     def __init__(self, prompt: torch.Tensor, eos: list[int], streamer: Any) -> None:
         self.eos, self.streamer = torch.tensor(eos, dtype=torch.long), streamer
         self.unfinished = torch.ones(prompt.shape[0], dtype=torch.bool)
-        if streamer is not None:
-            streamer.put(prompt.cpu())
+        self.prompt = prompt
+
+    def start(self) -> None:
+        """The prompt to the streamer, as transformers puts it first (the call was checked)."""
+        if self.streamer is not None:
+            self.streamer.put(self.prompt.cpu())
 
     def step(self, step: int, row: list[torch.Tensor]) -> bool:
         """Step `step`'s tokens of every microbatch are known; True once every sequence ended."""

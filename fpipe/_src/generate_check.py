@@ -12,21 +12,6 @@ from .dist import PPGroup
 
 __all__ = ["check_call", "eos_and_pad", "stage_count"]
 
-# generation_config settings that add a logits processor fpipe.generate does not apply
-_PROCESSORS = {
-    "repetition_penalty": 1.0,
-    "no_repeat_ngram_size": 0,
-    "min_length": 0,
-    "min_new_tokens": None,
-    "bad_words_ids": None,
-    "forced_bos_token_id": None,
-    "forced_eos_token_id": None,
-    "suppress_tokens": None,
-    "begin_suppress_tokens": None,
-    "sequence_bias": None,
-    "num_beams": 1,
-}
-
 
 def check_call(
     model: nn.Module,
@@ -55,7 +40,83 @@ def check_call(
             f"{call}: batch size {ids.shape[0]} is not divisible by microbatches={microbatches}; "
             f"use a batch that is a multiple of {microbatches}, or a microbatch count that divides it."
         )
+    _check_rope(call, model, ids, mask, new, microbatches, pg)
     return call
+
+
+# rotary embeddings whose frequencies do not depend on the positions of the call
+_STATIC_ROPE = {"default", "linear", "yarn", "llama3", "proportional"}
+# the transformers modules whose prepare_inputs_for_generation refills the cache (NOTE [a refill])
+_REFILLING = {"transformers.models.phi3.modeling_phi3", "transformers.models.phimoe.modeling_phimoe"}
+
+
+def refill_step(model: nn.Module, prompt: int, new: int) -> int | None:
+    """The step at which transformers feeds the whole sequence again, if it does.
+
+    # NOTE [a refill]
+    Phi-3's `longrope` uses the short factor while the sequence fits
+    `original_max_position_embeddings` (L) and the long one past it (decided per forward from
+    the largest position id). Keys cached with the short factor would be wrong past L, so
+    transformers' Phi-3 (and PhiMoE) `prepare_inputs_for_generation` drops the cache at the
+    step where the sequence reaches L + 1 tokens (prompt + step = L + 1) and feeds the whole
+    sequence, prompt and every token so far, from position 0. fpipe does the same at that step
+    (`Feed.refill`): a program traced for that length rewrites every K/V buffer from position 0.
+    """
+    where = getattr(getattr(type(model), "prepare_inputs_for_generation", None), "__module__", None)
+    limit = getattr(model.config, "original_max_position_embeddings", None)
+    if where not in _REFILLING or limit is None:
+        return None
+    step = limit + 1 - prompt
+    return step if 1 <= step < new else None
+
+
+def _check_rope(
+    call: str,
+    model: nn.Module,
+    ids: torch.Tensor,
+    mask: torch.Tensor | None,
+    new: int,
+    microbatches: int,
+    pg: PPGroup | None,
+) -> None:
+    """A rope whose frequencies depend on the sequence: "longrope" decides per forward from the
+    largest position id of the rows it sees, so microbatches of left-padded prompts would decide
+    apart from the batch (refused); "dynamic" recomputes them in Python, which a trace cannot
+    follow (refused)."""
+    cfg: Any = model.config
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    per_type = params.values() if all(isinstance(v, dict) for v in params.values()) and params else [params]
+    for rope in per_type:
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind in _STATIC_ROPE:
+            continue
+        limit = rope.get("original_max_position_embeddings") or getattr(
+            cfg, "original_max_position_embeddings", None
+        )
+        if kind == "longrope" and pg is not None:
+            raise ValueError(
+                f"{call}: the model's rope_type='longrope' rewrites its rotary inv_freq buffer in "
+                "place at every step; under torchrun such a generation stalled in testing (a "
+                "stage's receive never completed), so it is not supported on ranks. Run it in "
+                "one process (stages=N), or use model.generate."
+            )
+        length = ids.shape[1] + new
+        padded = mask is not None and bool((mask == 0).any())
+        if kind == "longrope" and (limit is None or length <= limit or microbatches == 1 or not padded):
+            continue
+        if kind == "longrope":
+            raise ValueError(
+                f"{call}: the model's rope_type='longrope' switches from the short to the long "
+                f"factor where the largest position of the rows in one forward passes "
+                f"original_max_position_embeddings={limit} (prompt + max_new_tokens = {length}); "
+                "with left-padded prompts each microbatch would switch at its own step, not the "
+                "batch's. Pass microbatches=1, or prompts of one length."
+            )
+        raise ValueError(
+            f"{call}: the model's rope_type={kind!r} computes its frequencies from the sequence "
+            "length at every step, which fpipe.generate's traced step cannot follow (it supports "
+            f"{sorted(_STATIC_ROPE)} and 'longrope'). Use model.generate for this model."
+        )
 
 
 def _check_model(call: str, model: nn.Module) -> None:
@@ -78,14 +139,6 @@ def _check_model(call: str, model: nn.Module) -> None:
     if model.training:
         raise ValueError(
             f"{call}: the model is in training mode (dropout would be active); call model.eval() first."
-        )
-    gc: Any = model.generation_config
-    set_ = [k for k, default in _PROCESSORS.items() if getattr(gc, k, default) not in (default, None, [], {})]
-    if set_:
-        raise ValueError(
-            f"{call}: the model's generation_config sets {set_}, which fpipe.generate does not "
-            "apply (it decodes greedily or samples with temperature/top_k/top_p only); set them to "
-            "their defaults, or use model.generate."
         )
 
 

@@ -12,6 +12,7 @@ the draws, so `fpipe.generate(..., seed=s)` gives the same tokens at any stage c
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
@@ -20,10 +21,11 @@ __all__ = ["Sampling", "Selector"]
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-    """The decoding rule: greedy (`do_sample=False`) or temperature/top-k/top-p sampling."""
+    """The decoding rule: greedy (`do_sample=False`) or temperature/top-k/top-p sampling, as
+    resolved from the call and the model's generation_config (generate_settings.py)."""
 
     do_sample: bool = False
-    temperature: float = 1.0
+    temperature: float | None = 1.0
     top_k: int | None = None
     top_p: float | None = None
     seed: int = 0
@@ -32,8 +34,15 @@ class Sampling:
 class Selector:
     """Picks each microbatch's next tokens and tracks which sequences have finished."""
 
-    def __init__(self, rule: Sampling, batch: int, eos: list[int], pad: int | None) -> None:
-        self.rule, self.eos, self.pad = rule, torch.tensor(eos, dtype=torch.long), pad
+    def __init__(
+        self,
+        rule: Sampling,
+        warp: Callable[[torch.Tensor], torch.Tensor],
+        batch: int,
+        eos: list[int],
+        pad: int | None,
+    ) -> None:
+        self.rule, self.warp, self.eos, self.pad = rule, warp, torch.tensor(eos, dtype=torch.long), pad
         self.unfinished = torch.ones(batch, dtype=torch.bool)
         self.gens = (
             [torch.Generator().manual_seed(_mix(rule.seed, row)) for row in range(batch)]
@@ -55,25 +64,9 @@ class Selector:
         return tokens.view(-1, 1)
 
     def _draw(self, scores: torch.Tensor, rows: slice) -> torch.Tensor:
-        probs = torch.softmax(warp(scores, self.rule), dim=-1)
+        probs = torch.softmax(self.warp(scores), dim=-1)  # transformers' warpers
         gens = self.gens[rows]
         return torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, gens)])
-
-
-def warp(scores: torch.Tensor, rule: Sampling) -> torch.Tensor:
-    """Temperature, then top-k, then top-p, as transformers' logits warpers apply them."""
-    scores = scores / rule.temperature
-    if rule.top_k is not None:
-        k = min(rule.top_k, scores.shape[-1])
-        kth = torch.topk(scores, k)[0][..., -1, None]
-        scores = scores.masked_fill(scores < kth, -float("inf"))
-    if rule.top_p is not None and rule.top_p < 1.0:
-        ordered, index = torch.sort(scores, descending=False)
-        cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
-        drop = cumulative <= (1 - rule.top_p)
-        drop[..., -1:] = False  # keep at least the most likely token
-        scores = scores.masked_fill(drop.scatter(-1, index, drop), -float("inf"))
-    return scores
 
 
 def _mix(seed: int, row: int) -> int:

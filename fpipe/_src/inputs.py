@@ -2,7 +2,7 @@
 
 `flatten` turns `(params, *args, **kwargs)` into `Inputs`: the parameter leaves, the tensor
 leaves of the arguments with the axis each is split along (`in_axes`), and the non-tensor leaves
-(statics). `Inputs.key` is the trace key (NOTE [trace key]); `split` cuts the data into
+(statics). `Inputs.key` is the trace key (NOTE [trace key] in trace_key.py); `split` cuts the data into
 microbatches; `rebuilder` puts leaves back into the user's structure for the trace. Flat
 positions count the parameter leaves first, then the data leaves: `positions_of_argnum` maps an
 `argnums` entry to them.
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +20,7 @@ import torch
 from . import tree
 from .config import Config
 from .dist import PPGroup
+from .trace_key import trace_key
 
 
 @dataclasses.dataclass
@@ -37,20 +37,16 @@ class Inputs:
     # tensor parallelism: the layout of each parameter that came as a DTensor on mesh["tp"] (its
     # leaf above is then the local shard), else None (NOTE [tensor-parallel tracing] in tp.py)
     tp: list[Any] | None = None
+    passed: list[torch.dtype] | None = None  # params' dtypes as passed, before a precision cast
 
     def key(self, device_type: str) -> tuple[Any, ...]:
-        """Everything a trace depends on (NOTE [trace key]); `device_type`: where meta tensors
-        are traced (the data's device)."""
-        return (
-            str(self.param_spec),
-            tuple(tensor_key(t, device_type) for t in self.param_leaves),
-            str(self.data_spec),
-            tuple(tensor_key(t, device_type) for t in self.data_leaves),
-            tuple(self.axes),
-            tuple(Static(s) for s in self.statics),
-            ambient_key(),
-            tuple(s and s.key() for s in self.tp) if self.tp else None,
-        )
+        """Everything a trace depends on (NOTE [trace key] in trace_key.py); `device_type`:
+        where meta tensors are traced (the data's device)."""
+        tp = tuple(s and s.key() for s in self.tp) if self.tp else None
+        return trace_key(
+            device_type, self.param_spec, self.param_leaves, self.data_spec, self.data_leaves,
+            self.axes, self.statics, tp,
+        )  # fmt: skip
 
     def axis_of(self, pos: int) -> int | None:
         """The microbatch split axis of flat input `pos` (None for parameters and whole arguments)."""
@@ -60,49 +56,6 @@ class Inputs:
     def args_template(self) -> Any:
         """The positional arguments with each leaf replaced by its index among all leaves."""
         return tree.unflatten(list(range(len(self.is_tensor))), self.data_spec)[0]
-
-
-# NOTE [trace key]
-# A trace is reused for a call whose key equals the traced call's, so the key holds everything
-# that can change what the trace records: each tensor's shape, dtype, device type and strides
-# (kernels and views differ by layout); every non-tensor argument by type, hash and equality
-# (jax.jit's static arguments: a value that prints alike but differs, such as two numpy arrays
-# that differ in the middle, must not share a trace, so unhashable values are refused); and the
-# ambient state the function runs under: autocast per device type, grad mode, default dtype.
-# Every rank must compute an equal key for the same inputs (`group.check_same_signature`
-# compares a digest of its repr): a meta tensor (another rank's parameter) is keyed as a tensor
-# on the device it is traced on, the device *type* is keyed (cuda:0 and cuda:1 trace alike), and
-# a static's repr drops object addresses.
-
-
-def tensor_key(t: torch.Tensor, device_type: str) -> tuple[Any, ...]:
-    # a meta parameter (another rank's) traces like a real one on the data's device: same key
-    dev = device_type if t.is_meta else t.device.type
-    strides = tuple(st if n > 1 else 0 for st, n in zip(t.stride(), t.shape))  # size-1 dims: any
-    return (tuple(t.shape), t.dtype, dev, strides)
-
-
-def ambient_key() -> tuple[Any, ...]:
-    autocast = tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda"))
-    return (autocast, torch.is_grad_enabled(), torch.get_default_dtype())
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Static:
-    """A non-tensor argument in a trace key: equal by type and value, hashed by value."""
-
-    value: Any
-
-    def __hash__(self) -> int:
-        return hash((type(self.value), self.value))
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Static) or type(self.value) is not type(other.value):
-            return False
-        return bool(self.value is other.value or self.value == other.value)
-
-    def __repr__(self) -> str:  # the same on every rank: no object addresses
-        return re.sub(r" at 0x[0-9a-fA-F]+", "", f"{type(self.value).__qualname__}:{self.value!r}")
 
 
 def flatten(cfg: Config, params: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Inputs:

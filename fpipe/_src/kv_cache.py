@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-__all__ = ["SlotCache"]
+__all__ = ["ProbeCache", "SlotCache"]
 
 
 class SlotLayer(CacheLayerMixin):
@@ -72,3 +72,40 @@ class SlotCache(Cache):
 
     def __init__(self, kv: Sequence[tuple[torch.Tensor, torch.Tensor]], offset: torch.Tensor) -> None:
         super().__init__(layers=[SlotLayer(k, v, offset) for k, v in kv])
+
+
+class ProbeLayer(CacheLayerMixin):
+    """Records the keys and values the layer's attention hands the cache (a step on fake tensors)."""
+
+    is_compileable = True
+    is_sliding = False
+
+    def __init__(self, seen: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        super().__init__()
+        self.seen, self.is_initialized = seen, True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.seen.append((key_states, value_states))
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, 0
+
+    def get_seq_length(self) -> int:
+        return 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class ProbeCache(Cache):
+    """A `Cache` that records what each layer stores (`seen`: (keys, values) per `update`)."""
+
+    def __init__(self, n_layers: int) -> None:
+        self.seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+        super().__init__(layers=[ProbeLayer(self.seen) for _ in range(n_layers)])

@@ -33,12 +33,15 @@ from collections.abc import Iterable
 from typing import Any
 
 from .memory_graph import Profile, profile
+from .precision import DEFAULT
 from .run import accumulating, action_place
 from .run_dist import EMULATE_NCCL_ORDER
 from .schedule_data import Action
 from .staged import Program, Staged
 
 __all__ = ["MemoryReport", "StageMemory", "predict", "predict_plan"]
+
+WIDEN = DEFAULT.widen  # the runner's sums: fp32 for narrower gradients (NOTE [precision policy])
 
 Key = tuple[Any, ...]  # one storage the runner holds
 
@@ -164,7 +167,7 @@ class _Replay:
         outs_of = self.runner._out_index.get(prog.place, ())
         own = {n: i for i, n, only in outs_of if only and i in self.summed}
         if self.n_mb > 1 and own:
-            gm, sums_like = accumulating(prog, tuple(own))
+            gm, sums_like = accumulating(prog, tuple(own), WIDEN)
             if gm is not None:
                 return gm, {own[n]: like for n, like in sums_like}
         return prog.gm, {}
@@ -174,7 +177,7 @@ class _Replay:
         for i, like in fused.items():  # `Results.running_sum`: zeros at the first writer
             if i not in self.sums:
                 self.sums[i] = (("sum", i), True)
-                self.acc.hold(("sum", i), 1, like.numel() * like.element_size(), a.stage)
+                self.acc.hold(("sum", i), 1, like.numel() * WIDEN(like.dtype).itemsize, a.stage)
         pr = _profile(gm)
         self.transient[a.stage] = max(self.transient.get(a.stage, 0), pr.peak)
         self.observe(str(a), a.stage, pr.peak)

@@ -150,13 +150,13 @@ def _grad_of(
     if is_param and len(users | srcs) == 1:
         return g
     if len(srcs) > 1:  # contributions of several ranks (NOTE [tied gradients] in split_tied.py)
-        g = _sum_over_ranks(pg, g, inp.param_leaves[pos], timeout)
+        g = _sum_over_ranks(pg, g, inp.param_leaves[pos], timeout, results.dtypes.get(i))
         return g if pg.rank in users else None
     if is_param and isinstance(inp.param_leaves[pos], DTensor):
         g = broadcast_shard(pg, g, inp.param_leaves[pos], src, timeout)  # type: ignore[arg-type]
         return g if pg.rank in users else None
     if g is None:
-        shape, dtype = st.meta[name]
+        shape, dtype = st.meta[name][0], results.dtypes.get(i, st.meta[name][1])
         if axis is not None:
             shape = torch.Size([d * m if k == axis else d for k, d in enumerate(shape)])
         g = torch.empty(shape, dtype=dtype, device=pg.device)
@@ -164,13 +164,14 @@ def _grad_of(
     return g if (not is_param or pg.rank in users) else None
 
 
-def _sum_over_ranks(pg: PPGroup, g: Any, param: torch.Tensor, timeout: float) -> Any:
+def _sum_over_ranks(pg: PPGroup, g: Any, param: torch.Tensor, timeout: float, dtype: Any = None) -> Any:
     """A gradient whose contributions several pipeline ranks hold, summed: by one all-reduce over
     the pipeline group per step (a rank holding none adds zeros). A sharded one (a DTensor
     reduce-scattered over dp already) sums its shards: every rank at one dp position holds the
     same shard."""
     mine = local(param)
-    part = torch.zeros(mine.shape, dtype=mine.dtype, device=pg.device) if g is None else local(g).contiguous()
+    dt = dtype or mine.dtype
+    part = torch.zeros(mine.shape, dtype=dt, device=pg.device) if g is None else local(g).contiguous()
     pg.all_reduce(part, timeout, "summing a gradient's contributions over pipeline ranks")
     return like(part, param)
 

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from .compiler import Compiled
 from .dist import PPGroup, group_of, pp_group
+from .precision import Precision, for_reduce
 from .run import Results, action_place
 from .schedule_data import Action
 from .sharding import launch_reduce_scatter, unpack_scatter
@@ -119,8 +120,10 @@ class GradReducer:
         summed: frozenset[int],
         sharded: dict[int, DTensor],
         timeout: float,
+        precision: Precision | None = None,
     ):
         self.dp, self.timeout, self.sharded = dp, timeout, sharded  # sharded: output -> its parameter
+        self.precision = precision  # the reduction's dtype (NOTE [precision policy] in precision.py)
         st, last = c.staged, {action_place(a): a for a in local}  # each place's last action here
         order = {a: k for k, a in enumerate(local)}
         self.at: dict[Action, list[int]] = {}
@@ -149,12 +152,13 @@ class GradReducer:
     def _launch(self, idx: list[int], results: Results) -> None:
         present = [i for i in idx if results.sums.get(i) is not None]
         for bucket in _buckets([i for i in present if i not in self.sharded], results.sums):
-            flat = _flatten_dense_tensors([results.sums[i] for i in bucket])
+            flat = for_reduce(self.precision, _flatten_dense_tensors([results.sums[i] for i in bucket]))
             work = dist.all_reduce(flat, group=self.dp.group, async_op=True)
             self.pending.append((work, functools.partial(_store_sums, flat, bucket)))
         for bucket in _buckets([i for i in present if i in self.sharded], results.sums):
             params = [self.sharded[i] for i in bucket]  # reduce-scattered to the params' shards
-            work, out = launch_reduce_scatter(self.dp, [results.sums[i] for i in bucket], params)
+            sums = [for_reduce(self.precision, results.sums[i]) for i in bucket]
+            work, out = launch_reduce_scatter(self.dp, sums, params)
             self.pending.append((work, functools.partial(_store_shards, out, bucket, params)))
 
 

@@ -17,6 +17,8 @@ import torch
 import torch.fx as fx
 from torch.profiler import record_function
 
+from . import precision as precision_
+from .precision import FLOATS, Precision
 from .rng import set_microbatch
 from .schedule_data import Action, Schedule, execution_order
 from .staged import Place, Staged
@@ -64,10 +66,17 @@ class Results:
     (parameter gradients), so no microbatch's gradient outlives the next one's."""
 
     def __init__(
-        self, n_mb: int, n_out: int, summed: frozenset[int], inputs: Iterable[torch.Tensor] = ()
+        self,
+        n_mb: int,
+        n_out: int,
+        summed: frozenset[int],
+        inputs: Iterable[torch.Tensor] = (),
+        precision: Precision | None = None,
     ) -> None:
         self.per_mb: list[list[Any]] = [[None] * n_out for _ in range(n_mb)]
         self.summed = summed
+        self.widen = precision_.of(precision).widen  # NOTE [precision policy] in precision.py
+        self.dtypes: dict[int, torch.dtype] = {}  # the dtype each summed gradient is handed back in
         self.sums: dict[int, torch.Tensor] = {}
         self._owned: set[int] = set()
         self._inputs: set[int] | None = None
@@ -86,7 +95,7 @@ class Results:
         zeros shaped `like` (a fake tensor) at the first microbatch, so it is this object's own
         memory from the start (a program's output may be a view of memory others share)."""
         if i not in self.sums:
-            self.sums[i] = torch.zeros(like.shape, dtype=like.dtype, device=like.device)
+            self.sums[i] = torch.zeros(like.shape, dtype=self.widen(like.dtype), device=like.device)
             self._owned.add(i)
         elif i not in self._owned:
             self.sums[i] = self.sums[i].clone()
@@ -97,8 +106,9 @@ class Results:
         if i not in self.summed:
             self.per_mb[mb][i] = value
         elif i not in self.sums:
-            self.sums[i] = value
-            if self._is_fresh(value):
+            wide = self.widen(value.dtype)
+            self.sums[i] = value if wide == value.dtype else value.to(wide)
+            if wide != value.dtype or self._is_fresh(value):
                 self._owned.add(i)
         elif i not in self._owned or torch._C._functorch.is_functorch_wrapped_tensor(self.sums[i]):
             self.sums[i] = self.sums[i] + value
@@ -163,7 +173,7 @@ def run_program(
     if len(results.per_mb) > 1 and torch._C._functorch.peek_interpreter_stack() is None:
         own = {n: i for i, n, only in outs_of if only and i in results.summed}
         if own:
-            gm, sums_like = accumulating(prog, tuple(own))
+            gm, sums_like = accumulating(prog, tuple(own), results.widen)
             fused = {own[n]: like for n, like in sums_like}
             args += [results.running_sum(i, like) for i, like in fused.items()]
     outs = execute(prog, args, a, rank, timeline, gm, label)
@@ -190,17 +200,21 @@ def outputs_by_program(
     return index
 
 
-def accumulating(prog: Any, names: tuple[str, ...]) -> tuple[Any, list[tuple[str, Any]]]:
+def accumulating(
+    prog: Any, names: tuple[str, ...], widen: Callable[[torch.dtype], torch.dtype] = lambda d: d
+) -> tuple[Any, list[tuple[str, Any]]]:
     """`prog` rewritten to take, for each output in `names` it can, one more input (the output's
     running sum) into which the output is added in place right after the operation computing
     it, returning None in its place: the gradient is added while it is still in cache, freed at
     once, and one microbatch's gradients never all exist at the same time. Returns the program
     (None if nothing could be rewritten: outputs that are inputs, a non-fx program) and the
     rewritten outputs with their fake values (shape, dtype, device), in input order. Built once
-    per `names`; a program compiled by the runtime has its variant compiled too."""
-    cache: dict[tuple[str, ...], Any] = prog.__dict__.setdefault("_accumulating", {})
-    if names in cache:
-        return cache[names]
+    per `names`; a program compiled by the runtime has its variant compiled too. A sum `widen`ed
+    to a wider dtype than its output's is added into by `add_` (not inside a product)."""
+    cache: dict[Any, Any] = prog.__dict__.setdefault("_accumulating", {})
+    key = (names, tuple(widen(d) for d in FLOATS))
+    if key in cache:
+        return cache[key]
     gm, done = None, []
     if isinstance(prog.gm, fx.GraphModule) and prog.inputs:
         graph = copy.deepcopy(prog.gm.graph)
@@ -217,7 +231,7 @@ def accumulating(prog: Any, names: tuple[str, ...]) -> tuple[Any, list[tuple[str
                 continue
             with graph.inserting_after(last):
                 acc = last = graph.placeholder(f"{name}_sum")
-            if not _accumulate_in_product(graph, src, acc, output):
+            if widen(like.dtype) != like.dtype or not _accumulate_in_product(graph, src, acc, output):
                 with graph.inserting_after(src):
                     graph.call_function(aten.add_.Tensor, (acc, src))
             outs[k] = None
@@ -225,7 +239,7 @@ def accumulating(prog: Any, names: tuple[str, ...]) -> tuple[Any, list[tuple[str
         if done:
             output.args = (outs,)
             gm = fx.GraphModule({}, graph)
-    cache[names] = (gm, done)
+    cache[key] = (gm, done)
     return gm, done
 
 
@@ -335,6 +349,7 @@ class LocalRunner:
         summed: frozenset[int] = frozenset(),
         after: Callable[[Action, Results], None] | None = None,
         before: Callable[[Action], None] | None = None,
+        precision: Precision | None = None,
     ) -> Results:
         """Run all actions. `glob` holds params, consts and ct; `data[m]` microbatch m's inputs;
         `before(action)` and `after(action, results)` are called around each action this
@@ -343,7 +358,7 @@ class LocalRunner:
         Returns, per microbatch, the joint graph's outputs (values, then gradients).
         """
         n_out = len(self.staged.out_names)
-        results = Results(len(data), n_out, summed, glob.values())
+        results = Results(len(data), n_out, summed, glob.values(), precision)
         self.timeline = Timeline()
         envs = [dict(d) for d in data]
         left = [dict(self.refcount) for _ in data]

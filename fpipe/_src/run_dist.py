@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from .comm import CommGroup, CommPlan, Transfer, comm_plan
 from .dist import PeerFailure, PPGroup, SendReaper, exit_hard_after_failure
+from .precision import Precision
 from .run import Results, Timeline, action_place, outputs_by_program, release, run_program
 from .schedule_data import Action, Schedule
 from .simulate import validate_comm
@@ -162,9 +163,10 @@ class DistRunner:
         summed: frozenset[int] = frozenset(),
         after: Callable[[Action, Results], None] | None = None,
         before: Callable[[Action], None] | None = None,
+        precision: Precision | None = None,
     ) -> Results:
         n_out = len(self.staged.out_names)
-        results = Results(len(data), n_out, summed, glob.values())
+        results = Results(len(data), n_out, summed, glob.values(), precision)
         self.timeline = Timeline()
         self.reaper.timeout = self.timeout  # the reaper is shared; the timeout is this pipeline's
         st = _State(self, data)

@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=1, help="worker processes for in-process examples")
     p.add_argument("--no-shrink", action="store_true")
     p.add_argument("--shrink-budget", type=int, default=60, help="runs per failure group")
+    p.add_argument("--shrink-groups", type=int, help="shrink only this many of the largest groups")
     p.add_argument("--replay", help="an Example(...) as printed: run it and print its outcome")
     p.add_argument("--record", type=Path, help="append a JSON line per example to this file")
     p.add_argument("--summarize", type=Path, help="summarize (and shrink) a --record file instead of running")
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         results = read_record(args.summarize)
         print(summary(results))
         if not args.no_shrink:
-            shrink_groups(results, args.ranks, args.shrink_budget)
+            shrink_groups(results, args.ranks, args.shrink_budget, most=args.shrink_groups)
         return 1 if any(r.outcome.status == "fail" for r in results) else 0
     feats = parse_features(args.features, args.without)
     print(f"fuzz: seed {args.seed}, examples {args.start}..{args.start + args.examples - 1}"
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     results = c.run()
     print(summary(results))
     if not args.no_shrink:
-        shrink_groups(results, args.ranks, args.shrink_budget)
+        shrink_groups(results, args.ranks, args.shrink_budget, most=args.shrink_groups)
     return 1 if any(r.outcome.status == "fail" for r in results) else 0
 
 

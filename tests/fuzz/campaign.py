@@ -166,11 +166,16 @@ def summary(results: list[Result]) -> str:
 
 
 def shrink_groups(
-    results: list[Result], world: int, budget: int, log: Callable[[str], None] = print
+    results: list[Result],
+    world: int,
+    budget: int,
+    log: Callable[[str], None] = print,
+    most: int | None = None,
 ) -> list[Any]:
-    """Shrink the smallest failing example of each signature group; print each result."""
+    """Shrink the smallest failing example of each signature group (of the `most` largest);
+    print each result."""
     found = []
-    for sig, rs in groups(results).items():
+    for sig, rs in list(groups(results).items())[:most]:
         r = min(rs, key=lambda r: (len(r.ex.layers), r.ex.index))
         multi = r.ex.dp * r.ex.pp > 1
         if multi:

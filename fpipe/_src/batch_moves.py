@@ -73,7 +73,8 @@ def gathered(node: fx.Node, states: list[Any]) -> Any:
     if node.target is tp_reduce_scatter and b.dim == 0:
         rows = (shape_of(node) or (0,))[0]
         return b if rows % (b.inner * b.size) == 0 else UNKNOWN
-    if node.target is aten.cat.default and len(live) < len(states):
+    empty = sum(shape_of(a) == (0,) for a in node.all_input_nodes)  # cat skips 1-d empty pieces
+    if node.target is aten.cat.default and len(live) < len(states) - empty:
         return UNKNOWN  # a piece with no batch beside pieces with one
     return b
 
@@ -163,6 +164,46 @@ MOVES = {
     aten.slice.Tensor: _move_select,
     aten._log_softmax.default: _move_last_dim,
     aten._softmax.default: _move_last_dim,
+    aten._safe_softmax.default: _move_last_dim,
     aten.native_layer_norm.default: _move_last_dim,
     aten.expand.default: _move_expand,
 }
+
+
+_THROUGH = {aten.unsqueeze.default, aten.view.default, aten.expand.default, aten._to_copy.default}
+
+
+def _iota(node: Any, n: int) -> bool:
+    """Is `node` `arange(n)` (0, 1, ..., n-1), through unsqueezes, views, expands, casts?"""
+    while isinstance(node, fx.Node) and node.target in _THROUGH:
+        node = args_of(node)[0]
+    if not isinstance(node, fx.Node) or node.target not in (aten.arange.default, aten.arange.start):
+        return False
+    bounds = [a for a in args_of(node) if isinstance(a, (int, float))]
+    return bounds in ([n], [0, n]) and "step" not in node.kwargs
+
+
+def iota_indexed(node: fx.Node, b: Batch, index_states: list[Any]) -> Any:
+    """`x[arange(B)[:, None, ...], j, ...]`, x's batch in dim 0 (B = its size): each example
+    picks from itself (transformers' attention masks), the batch in dim 0 of the result."""
+    first, *rest = args_of(node)[1]
+    x_shape, index_shape = shape_of(args_of(node)[0]), shape_of(first)
+    if b.dim != 0 or x_shape is None or index_shape is None or any(s is not None for s in index_states):
+        return UNKNOWN
+    n = x_shape[0]
+    lead = [d for d, size in enumerate(index_shape) if size != 1]
+    return b if lead == [0] and index_shape[0] == n and _iota(first, n) else UNKNOWN
+
+
+def scattered(node: fx.Node, b: Batch, src: Any) -> Any:
+    """`copy(dst, src)`, `slice_scatter` / `select_scatter(dst, src, dim, ...)` into a `dst`
+    whose batch is `b`: the batch stays if `src` holds it alike (or not at all) and the write
+    is not along the batch's dim."""
+    if node.target is aten.copy.default:
+        return b if src in (None, b) else UNKNOWN
+    dim = args_of(node)[2] if len(args_of(node)) > 2 else node.kwargs.get("dim", 0)
+    dim %= len(shape_of(args_of(node)[0]) or (1,))
+    if dim == b.dim:
+        return UNKNOWN
+    moved = Batch(b.dim - (dim < b.dim), b.inner, b.size) if node.target is aten.select_scatter.default else b
+    return b if src in (None, moved) else UNKNOWN

@@ -100,9 +100,9 @@ class PPGroup:
         self.wait_all([work], timeout, functools.partial(str, what), poll=True)
         return t
 
-    def all_reduce(self, t: torch.Tensor, timeout: float, what: str) -> torch.Tensor:
-        """The sum of `t` over the group's ranks, in place (`t` contiguous)."""
-        work = dist.all_reduce(t, group=self.group, async_op=True)
+    def all_reduce(self, t: torch.Tensor, timeout: float, what: str, op: Any = None) -> torch.Tensor:
+        """The sum (or `op`) of `t` over the group's ranks, in place (`t` contiguous)."""
+        work = dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=self.group, async_op=True)
         self.wait_all([work], timeout, functools.partial(str, what), poll=True)
         return t
 

@@ -52,6 +52,7 @@ from .batch_moves import (
     Batch,
     args_of,
     gathered,
+    iota_indexed,
     masked_write,
     matmul,
     piece,
@@ -262,6 +263,8 @@ class _Analysis:
             live = {x for x in states if x is not None}
             b = live.pop() if len(live) == 1 else None
             return b if isinstance(b, Batch) and b.dim == 0 else UNKNOWN
+        if t in _FRESH or t in _NEW and tuple(args[1]) == shape_of(args[0]):  # type: ignore[arg-type]
+            return states[0] if isinstance(states[0], Batch) else UNKNOWN
         if t in _BATCH_NORMS or t in _SPATIAL:  # BatchNorm: per microbatch by contract (NOTE)
             b = states[0]
             return b if isinstance(b, Batch) and b.dim == 0 and not any(states[1:]) else UNKNOWN
@@ -269,6 +272,13 @@ class _Analysis:
             return self.of(args[1]) if states[0] is None else UNKNOWN
         if t is aten.index.Tensor and self.of(args[0]) is None and len(args[1]) == 1:  # type: ignore[arg-type]
             return self.of(args[1][0])  # a table looked up by batched indices: `emb[idx]`
+        if t in _WRITES_INTO and isinstance(states[0], Batch) and states[1] in (None, states[0]):
+            dim = int(args[2]) if t is aten.slice_scatter.default and len(args) > 2 else None  # type: ignore[arg-type]
+            return (
+                states[0] if dim is None or dim % len(shape_of(args[0]) or (0,)) != states[0].dim else UNKNOWN
+            )
+        if t is aten.index.Tensor and isinstance(states[0], Batch):
+            return iota_indexed(node, states[0], [self.of(i) for i in args[1]])  # type: ignore[union-attr]
         if t in MATMUL:
             return matmul(node, [self.of(a) for a in args])
         s = self.of(args[0]) if args else None
@@ -308,7 +318,9 @@ def _pools(node: fx.Node, states: list[Any], out: Any) -> bool:
     first = states[0] if states else None
     if t in _SUMS or t in _LOSS_REDUCTION_ARG or t in _OTHER_REDUCTIONS:
         return isinstance(first, Batch) and not isinstance(out, Batch)
-    if t in (aten._softmax.default, aten._log_softmax.default) and isinstance(first, Batch):
+    if t in (aten._softmax.default, aten._safe_softmax.default, aten._log_softmax.default) and isinstance(
+        first, Batch
+    ):
         return int(args[1]) % len(shape_of(args[0]) or (0,)) == first.dim
     if t not in MATMUL:
         return False
@@ -334,11 +346,16 @@ _OTHER_REDUCTIONS = {  # reductions over dims that are neither a sum nor a mean
     aten.linalg_vector_norm.default, aten.any.dim, aten.all.dim,
 }  # fmt: skip
 _FULL = {aten.sum.default, aten.mean.default, aten.max.default, aten.min.default, aten.prod.default}
-_SHAPE_ONLY = {  # read only their input's shape, dtype and device
-    aten.ones_like.default, aten.zeros_like.default, aten.empty_like.default,
-    aten.full_like.default, aten.new_zeros.default, aten.new_ones.default,
-    aten.new_empty.default, aten.new_full.default, aten.sym_size.int,
+_FRESH = {  # a value of the input's shape whose values do not depend on the input's (a dropout
+    # mask: empty_like, then bernoulli_): per element, in the input's layout
+    aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default,
+    aten.full_like.default, aten.rand_like.default, aten.randn_like.default,
+    aten.bernoulli_.float, aten.bernoulli.p, aten.bernoulli.default, aten.uniform_.default,
+    aten.normal_.default, aten.fill.Scalar, aten.fill.Tensor,
 }  # fmt: skip
+_WRITES_INTO = {aten.copy.default, aten.slice_scatter.default, aten.select_scatter.default}
+_NEW = {aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default, aten.new_full.default}
+_SHAPE_ONLY = _FRESH | _NEW | {aten.sym_size.int}  # read only shapes, dtypes: no pooled origin
 
 
 @dataclasses.dataclass

@@ -201,8 +201,8 @@ def scattered(node: fx.Node, b: Batch, src: Any) -> Any:
     is not along the batch's dim."""
     if node.target is aten.copy.default:
         return b if src in (None, b) else UNKNOWN
-    dim = args_of(node)[2] if len(args_of(node)) > 2 else node.kwargs.get("dim", 0)
-    dim %= len(shape_of(args_of(node)[0]) or (1,))
+    given: Any = args_of(node)[2] if len(args_of(node)) > 2 else node.kwargs.get("dim", 0)
+    dim = int(given) % len(shape_of(args_of(node)[0]) or (1,))
     if dim == b.dim:
         return UNKNOWN
     moved = Batch(b.dim - (dim < b.dim), b.inner, b.size) if node.target is aten.select_scatter.default else b

@@ -1,11 +1,13 @@
-"""Outputs and clipping across ranks for `tests/test_outputs_dist.py` (issue 24, cases 14, 15, 17):
-run inside the shared launches -- `pp_cases` and `clip_failure` by `tests/trust_dist_worker.py`
+"""Outputs, clipping and loss_parallel across ranks for `tests/test_outputs_dist.py` (issue 24,
+cases 14-17): run inside the shared launches -- `pp_cases`, `loss_parallel_refusals` and
+`clip_failure` by `tests/trust_dist_worker.py`
 (2 ranks, pp=2), `mesh_cases` by `tests/dp_worker.py` (4 ranks, dp=2 x pp=2). Each returns a
 JSON-able record; references are the unsplit functions under `torch.func` in float64.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import warnings
@@ -135,4 +137,38 @@ def clip_failure() -> dict[str, Any]:
     except Exception as err:
         out = {"error_type": type(err).__name__, "error": str(err)}
     out["seconds"] = time.monotonic() - start
+    return out
+
+
+def loss_parallel_refusals() -> dict[str, str]:
+    """Case 16: torch's loss_parallel() inside the loss, and around the pipelined call, on a
+    (pp=1, tp=2) mesh: refused by name on every rank (DTensor's raw "mixed torch.Tensor and
+    DTensor", and a false "captured a tensor of shape ()", before)."""
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("pp", "tp"))
+    model = nn.Sequential(nn.Linear(D, 8), nn.Tanh(), nn.Linear(8, 6))
+    head = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)  # torchtitan's, for it
+    fn, params = fpipe.functionalize(parallelize_module(model, mesh["tp"], {"2": head}))
+    x, y = torch.randn(8, D), torch.randint(0, 6, (8,))
+
+    def inside(p: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with loss_parallel():
+            return F.cross_entropy(fn(p, x), y)
+
+    def around(p: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(fn(p, x), y)
+
+    out = {}
+    for name, f in (("inside", inside), ("around", around)):
+        step = fpipe.value_and_grad(fpipe.pipeline(f, mesh=mesh, microbatches=2, timeout=60))
+        try:
+            with loss_parallel() if f is around else contextlib.nullcontext():
+                step(params, x, y)
+            out[name] = "no error"
+        except Exception as err:
+            out[name] = f"{type(err).__name__}: {err}"
     return out

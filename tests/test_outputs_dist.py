@@ -77,3 +77,13 @@ def test_a_rank_failing_in_clip_grad_norm_stops_its_peer_at_once_naming_it(pp_ra
     assert r0["error_type"] == "PeerFailure", r0
     assert "rank 1 failed: TypeError: clip_grad_norm_(grads, pipeline=...)" in r0["error"], r0
     assert r0["seconds"] < 10, r0
+
+
+@pytest.mark.parametrize("where", ["inside", "around"])
+def test_loss_parallel_is_refused_by_name_with_the_fix(pp_ranks, where):
+    """Case 16: torch's loss_parallel() inside the loss or around the call, on a tp=2 mesh: a
+    ValueError naming the call, the setting and the fix, on every rank (refused, not supported)."""
+    for rec in pp_ranks:
+        msg = rec["loss_parallel"][where]
+        assert msg.startswith("ValueError: pipeline(") and f"loss_parallel() {where} the" in msg, msg
+        assert "ColwiseParallel(output_layouts=Replicate())" in msg and "F.cross_entropy" in msg, msg

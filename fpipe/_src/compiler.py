@@ -43,7 +43,7 @@ from .schedule import Schedule, build, stages_per_rank
 from .sharding import check_sharded
 from .simulate import validate
 from .split import Staged, count_stages, split, split_backward
-from .tp import plain_outputs, trace_joint_tp, wrapping
+from .tp import check_no_loss_parallel, plain_outputs, refusing_loss_parallel, trace_joint_tp, wrapping
 from .tp_collectives import rewrite
 from .trace import Forward, Joint, fake_like, make_fakes, trace_forward, trace_joint
 
@@ -90,6 +90,8 @@ class Compiler:
         self, inp: Inputs, mb0: list[torch.Tensor], grad_of: tuple[int, ...] | None, has_aux: bool
     ) -> Compiled:
         """The plan for these inputs, compiled at the first call of their signature."""
+        if inp.tp:
+            check_no_loss_parallel(self.cfg.call)
         check_sharded(self.cfg.call, self.dp_mesh, inp.param_leaves, inputs_.param_keys(inp))
         key = (inp.key(inputs_.device_of(self.pg, inp).type), grad_of, has_aux)
         shapes = [tuple(t.shape) for t in inp.data_leaves]
@@ -105,7 +107,11 @@ class Compiler:
         if compiled is None:
             # Trace outside any active torch.func transform (grad(piped), vmap(piped)): the
             # program is a function of its inputs, whatever transform later runs it.
-            with temporarily_clear_interpreter_stack(), following_checkpoints() as regions:
+            with (
+                temporarily_clear_interpreter_stack(),
+                following_checkpoints() as regions,
+                refusing_loss_parallel(self.cfg.call),
+            ):
                 compiled = self._compile(inp, mb0, grad_of, has_aux, regions)
             if self.pg is not None:  # before any transfer: the ranks must agree on what to send
                 parts = fingerprint(compiled.base or compiled.staged, compiled.runner.schedule)

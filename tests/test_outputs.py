@@ -166,3 +166,20 @@ def test_ordinary_losses_and_the_gpt_example_do_not_warn():
     fpipe.value_and_grad(
         fpipe.pipeline(lambda q, i, t: F.cross_entropy(fn(q, i).flatten(0, 1), t.flatten()), microbatches=2)
     )(params, idx, idx)
+
+
+def test_a_sum_divided_by_a_count_of_tokens_warns_that_it_is_averaged():
+    """A loss normalised by the batch's count of labelled tokens: each microbatch divides by its
+    own count, so no combination reproduces it; fpipe averages the values and says so."""
+
+    def f(p, x, y):
+        keep = (y > 0).to(x.dtype)
+        per = F.cross_entropy(_logits(p, x), y, reduction="none")
+        return (per * keep).sum() / keep.sum()
+
+    p, (x, y) = _params(), _data()
+    with pytest.warns(
+        UserWarning,
+        match=r"cannot read how output 0 reduces the batch, so it averages the 2 microbatch values",
+    ):
+        fpipe.pipeline(f, microbatches=2)(p, x, y)

@@ -246,6 +246,10 @@ class _Analysis:
         pos = _LOSS_REDUCTION_ARG[target_of(node)]
         how = args_of(node)[pos] if len(args_of(node)) > pos else node.kwargs.get("reduction", 1)
         s = self.of(args_of(node)[0])
+        if how == 0 and isinstance(s, Batch):  # reduction='none': per example (a class dim leaves)
+            nll = target_of(node) in (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
+            others = {self.of(a) for a in node.all_input_nodes[1:]} - {None, s}
+            return s if others == set() and (not nll or s.dim == 0) else UNKNOWN
         if not isinstance(s, Batch) or how not in (1, 2):
             return UNKNOWN
         shape = shape_of(args_of(node)[0]) or ()
@@ -316,7 +320,9 @@ def _pools(node: fx.Node, states: list[Any], out: Any) -> bool:
     """Does `node` reduce over (or mix) the batch's dim? (NOTE [interacting examples])"""
     t, args = target_of(node), args_of(node)
     first = states[0] if states else None
-    if t in _SUMS or t in _LOSS_REDUCTION_ARG or t in _OTHER_REDUCTIONS:
+    if t in _SUMS or t in _LOSS_REDUCTION_ARG:
+        return isinstance(first, Batch) and isinstance(out, _Reduced)
+    if t in _OTHER_REDUCTIONS:
         return isinstance(first, Batch) and not isinstance(out, Batch)
     if t in (aten._softmax.default, aten._safe_softmax.default, aten._log_softmax.default) and isinstance(
         first, Batch

@@ -149,6 +149,16 @@ def _move_last_dim(s: Batch, node: fx.Node, ndim: int) -> Any:
     return s if args_of(node)[1] % ndim != s.dim else UNKNOWN  # type: ignore[operator]
 
 
+def _move_squeeze(s: Batch, node: fx.Node, ndim: int) -> Any:
+    """Size-1 dims removed (all of them, or those named): the batch moves down past them."""
+    shape = shape_of(args_of(node)[0]) or ()
+    named: Any = args_of(node)[1] if len(args_of(node)) > 1 else range(ndim)
+    gone = [
+        d % ndim for d in (named if isinstance(named, (list, tuple, range)) else [named]) if shape[d] == 1
+    ]
+    return UNKNOWN if s.dim in gone else Batch(s.dim - sum(d < s.dim for d in gone), s.inner, s.size)
+
+
 def _move_expand(s: Batch, node: fx.Node, ndim: int) -> Any:
     return Batch(s.dim + len(args_of(node)[1]) - ndim, s.inner, s.size)  # type: ignore[arg-type]
 
@@ -160,6 +170,9 @@ MOVES = {
     aten.transpose.int: _move_transpose,
     aten.t.default: _move_transpose,
     aten.unsqueeze.default: _move_unsqueeze,
+    aten.squeeze.default: _move_squeeze,
+    aten.squeeze.dim: _move_squeeze,
+    aten.squeeze.dims: _move_squeeze,
     aten.select.int: _move_select,
     aten.slice.Tensor: _move_select,
     aten._log_softmax.default: _move_last_dim,

@@ -268,7 +268,7 @@ class _Analysis:
             b = live.pop() if len(live) == 1 else None
             return b if isinstance(b, Batch) and b.dim == 0 else UNKNOWN
         if t in _FRESH or t in _NEW and tuple(args[1]) == shape_of(args[0]):  # type: ignore[arg-type]
-            return states[0] if isinstance(states[0], Batch) else UNKNOWN
+            return states[0] if isinstance(states[0], Batch) else None  # values: none of the batch
         if t in _BATCH_NORMS or t in _SPATIAL:  # BatchNorm: per microbatch by contract (NOTE)
             b = states[0]
             return b if isinstance(b, Batch) and b.dim == 0 and not any(states[1:]) else UNKNOWN

@@ -159,6 +159,11 @@ def _move_squeeze(s: Batch, node: fx.Node, ndim: int) -> Any:
     return UNKNOWN if s.dim in gone else Batch(s.dim - sum(d < s.dim for d in gone), s.inner, s.size)
 
 
+def _move_matrices(s: Batch, node: fx.Node, ndim: int) -> Any:
+    """Batched linear algebra on the last two dims (an inverse, a Cholesky factor): per matrix."""
+    return s if s.dim < ndim - 2 else UNKNOWN
+
+
 def _move_expand(s: Batch, node: fx.Node, ndim: int) -> Any:
     return Batch(s.dim + len(args_of(node)[1]) - ndim, s.inner, s.size)  # type: ignore[arg-type]
 
@@ -171,6 +176,8 @@ MOVES = {
     aten.t.default: _move_transpose,
     aten.unsqueeze.default: _move_unsqueeze,
     aten.squeeze.default: _move_squeeze,
+    aten.linalg_inv_ex.default: _move_matrices,
+    aten.linalg_cholesky_ex.default: _move_matrices,
     aten.squeeze.dim: _move_squeeze,
     aten.squeeze.dims: _move_squeeze,
     aten.select.int: _move_select,

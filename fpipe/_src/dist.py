@@ -35,6 +35,7 @@ import datetime
 import functools
 import hashlib
 import os
+import pickle
 import queue
 import threading
 import time
@@ -108,11 +109,28 @@ class PPGroup:
         self.wait_all([work], timeout, functools.partial(str, what), poll=True)
         return t
 
-    def all_reduce(self, t: torch.Tensor, timeout: float, what: str) -> torch.Tensor:
-        """The sum of `t` over the group's ranks, in place (`t` contiguous)."""
-        work = dist.all_reduce(t, group=self.group, async_op=True)
+    def all_reduce(self, t: torch.Tensor, timeout: float, what: str, op: Any = None) -> torch.Tensor:
+        """The sum (or `op`) of `t` over the group's ranks, in place (`t` contiguous)."""
+        work = dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=self.group, async_op=True)
         self.wait_all([work], timeout, functools.partial(str, what), poll=True)
         return t
+
+    def gather_objects(self, obj: Any, timeout: float, what: str) -> list[Any]:
+        """Every rank's picklable `obj`, by two all-gathers (sizes, then bytes) under the deadline
+        (torch's all_gather_object waits without one)."""
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.int64, device=self.device)
+        sizes = [torch.empty_like(size) for _ in range(self.size)]
+        self._gather(sizes, size, timeout, what)
+        padded = torch.zeros(int(max(sizes)), dtype=torch.uint8, device=self.device)
+        padded[: data.numel()] = data.to(self.device)
+        every = [torch.empty_like(padded) for _ in range(self.size)]
+        self._gather(every, padded, timeout, what)
+        return [pickle.loads(e[: int(n)].cpu().numpy().tobytes()) for e, n in zip(every, sizes)]
+
+    def _gather(self, out: list[torch.Tensor], t: torch.Tensor, timeout: float, what: str) -> None:
+        work = dist.all_gather(out, t, group=self.group, async_op=True)
+        self.wait_all([work], timeout, functools.partial(str, what), poll=True)
 
     def report_failure(self, message: str) -> None:
         """Tell the other ranks why this one is stopping (first report of this call wins)."""

@@ -18,14 +18,12 @@ COLLECTIVES = {
     "broadcast_object_list", "gather_object", "scatter_object_list", "send", "recv",
 }  # fmt: skip
 ELSEWHERE = {  # (module, function, collective): the deadline it has instead
-    # checkpoints: a gloo group of their own, created with a 30-minute timeout, which DCP's
-    # own collectives use too
-    ("checkpoint", "publish", "broadcast_object_list"),
-    ("checkpoint", "_start", "barrier"),
+    # checkpoints: a gloo group of their own (`checkpoint.checkpoint_group`), created with a
+    # 30-minute timeout (writing a large checkpoint may take minutes; the group's timeout ends a
+    # wait for a rank that stopped)
+    ("checkpoint", "_start", "broadcast_object_list"),
     ("checkpoint", "_agree", "all_gather_object"),
-    # the planner, on the default group (its init timeout): outside any pipeline call
-    ("plan_cost", "agree", "all_reduce"),
-    ("plan_verify", "step_seconds", "barrier"),
+    ("checkpoint_manager", "_agreed", "broadcast_object_list"),
 }
 
 

@@ -13,6 +13,7 @@ import json
 import os
 from typing import Any
 
+import outputs_worker
 import precision_worker
 import torch
 import torch.distributed as dist
@@ -396,6 +397,10 @@ def run(out: str) -> None:
     rec["no_replicas"] = no_replicas()
     rec["gather_log"] = gather_log(mesh)
     rec["precision"] = precision_worker.run(mesh)  # tests/test_precision.py
+    try:  # tests/test_outputs_dist.py
+        rec["outputs"] = outputs_worker.mesh_cases(mesh)
+    except Exception as err:  # recorded; the test names it
+        rec["outputs"] = {"error": f"{type(err).__name__}: {err}"}
     try:
         rec["plan"] = planned()
     except Exception as err:  # recorded; the test names it

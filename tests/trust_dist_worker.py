@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import outputs_worker
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -287,6 +288,9 @@ def main() -> None:
     record["backward"] = _case(lambda: _backward_of_a_call(a))
     record["after"] = _case(lambda: {"a": _max_errors(a, _mlp, 300), "b": _max_errors(b, _other, 301)})
     record["tdp_zoo"] = _case(_tdp_zoo)
+    record["outputs"] = _case(outputs_worker.pp_cases)  # tests/test_outputs_dist.py
+    record["loss_parallel"] = _case(outputs_worker.loss_parallel_refusals)
+    record["clip_failure"] = _case(outputs_worker.clip_failure)  # (its own group: leaves ours usable)
     record["compile_fails"] = _compile_fails(args.out)
     with open(os.path.join(args.out, f"rank{record['rank']}.json"), "w") as f:
         json.dump(record, f)

@@ -157,18 +157,17 @@ def check_same_program(call: str, pg: PPGroup, parts: dict[str, int], timeout: f
         return
     raise ValueError(
         f"{call}: ranks {differ[0]} staged a different program from ranks {differ[1]} for the same "
-        f"inputs ({first_difference(pg, parts)}). Every pipeline rank must trace the same function: a branch "
+        f"inputs ({first_difference(pg, parts, timeout)}). Every pipeline rank must trace the same function: a branch "
         "on the rank (dist.get_rank()), or a value that differs between processes (an environment "
         "variable, a random number drawn while tracing), changes the program; compute such values "
         "outside the function and pass them as inputs."
     )
 
 
-def first_difference(pg: PPGroup, parts: dict[str, int]) -> str:
+def first_difference(pg: PPGroup, parts: dict[str, int], timeout: float) -> str:
     """Which parts differ between the ranks, first one first (an object all-gather: only on
     the error path, where every rank is alive and waiting for it)."""
-    every: list[Any] = [None] * pg.size
-    dist.all_gather_object(every, parts, group=pg.group)
+    every = pg.gather_objects(parts, timeout, "comparing the staged programs part by part")
     keys = list(dict.fromkeys(k for p in every for k in p))
     differ = [part_name(k) for k in keys if odd_ranks([p.get(k) for p in every]) is not None]
     if not differ:

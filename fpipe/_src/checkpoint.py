@@ -236,7 +236,7 @@ def _collect_optim(call: str, optimizer: Any, params: Any, lay: _Layout, w: _Wri
 
 
 # -- starting a save ------------------------------------------------------------------------------
-def _group() -> Any:
+def checkpoint_group() -> Any:
     """A gloo group over all ranks for checkpoints alone (created at the first save, on every
     rank): its collectives never meet the pipeline's."""
     key = id(dist.group.WORLD)
@@ -262,7 +262,7 @@ def _start(call: str, path: Any, args: dict[str, Any], stage: bool) -> Job:
     wait_earlier(call)
     pipeline = args["pipeline"]
     lay = _layout(call, pipeline, saving=True)  # the same verdict on every rank
-    group = _group() if lay.distributed else None
+    group = checkpoint_group() if lay.distributed else None
     try:
         bufs = buffers_of(call, args["buffers"], pipeline)
         tensors, index = _collect(call, args["params"], args["optimizer"], bufs, args["extra"], lay, stage)

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint_files as files
-from .checkpoint import AsyncCheckpoint, async_save, save
+from .checkpoint import AsyncCheckpoint, async_save, checkpoint_group, save
 from .checkpoint_load import load
 
 __all__ = ["CheckpointManager", "Restored"]
@@ -243,5 +243,5 @@ class CheckpointManager:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return step
         said = [step]
-        dist.broadcast_object_list(said, src=0)
+        dist.broadcast_object_list(said, src=0, group=checkpoint_group())  # its 30-minute deadline
         return said[0]

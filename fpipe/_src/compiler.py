@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 from typing import Any
 
 import torch
 from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 
 from . import inputs as inputs_
-from . import tree
 from .agree import (
     check_same_program,
     check_same_signature,
@@ -35,8 +33,8 @@ from .inputs import Inputs
 from .marker import BOUNDARY
 from .measure import measure_costs
 from .memory import predict
+from .out_reduce import choose_reductions
 from .partition import auto_partition
-from .reduction import batch_reduction
 from .remat import tagged
 from .remat_choose import choose
 from .run import LocalRunner
@@ -45,7 +43,7 @@ from .schedule import Schedule, build, stages_per_rank
 from .sharding import check_sharded
 from .simulate import validate
 from .split import Staged, count_stages, split, split_backward
-from .tp import plain_outputs, trace_joint_tp, wrapping
+from .tp import check_no_loss_parallel, plain_outputs, refusing_loss_parallel, trace_joint_tp, wrapping
 from .tp_collectives import rewrite
 from .trace import Forward, Joint, fake_like, make_fakes, trace_forward, trace_joint
 
@@ -95,6 +93,8 @@ class Compiler:
         """The plan for these inputs, compiled at the first call of their signature. `has_aux`
         does not change the program, only what is refused (None: `memory`, which predicts the
         step the function's outputs call for, with or without aux)."""
+        if inp.tp:
+            check_no_loss_parallel(self.cfg.call)
         check_sharded(self.cfg.call, self.dp_mesh, inp.param_leaves, inputs_.param_keys(inp))
         key = (inp.key(inputs_.device_of(self.pg, inp).type), grad_of, has_aux)
         shapes = [tuple(t.shape) for t in inp.data_leaves]
@@ -110,7 +110,11 @@ class Compiler:
         if compiled is None:
             # Trace outside any active torch.func transform (grad(piped), vmap(piped)): the
             # program is a function of its inputs, whatever transform later runs it.
-            with temporarily_clear_interpreter_stack(), following_checkpoints() as regions:
+            with (
+                temporarily_clear_interpreter_stack(),
+                following_checkpoints() as regions,
+                refusing_loss_parallel(self.cfg.call),
+            ):
                 compiled = self._compile(inp, mb0, grad_of, has_aux, regions)
             if self.pg is not None:  # before any transfer: the ranks must agree on what to send
                 parts = fingerprint(compiled.base or compiled.staged, compiled.runner.schedule)
@@ -274,49 +278,9 @@ class Compiler:
         return dict(zip(nodes, self._measured[key]))
 
     def _reductions(self, fwd: Forward, inp: Inputs) -> list[str | int]:
-        """Per output: 'mean', 'sum' or a concatenation axis. A scalar output the user gave no
-        reduction for is summed when its function sums the batch (NOTE [an honest reduction])."""
-        outs = fwd.gm.graph.find_nodes(op="output")[0].args[0]
-        dims = [o.meta["val"].dim() for o in outs]  # type: ignore[union-attr]
-        if self.cfg.out_axes is None:
-            return [self._scalar_reduction(fwd, inp, i) if d == 0 else 0 for i, d in enumerate(dims)]
-        template = tree.unflatten(list(range(len(dims))), fwd.out_spec)
-        given = tree.broadcast_prefix(self.cfg.out_axes, template)
-        for r in given:
-            if not (r in REDUCTIONS or isinstance(r, int)):
-                raise ValueError(
-                    f"{self.cfg.call}: out_axes entry {r!r} is not 'mean', 'sum' or an int "
-                    "(the axis along which microbatch outputs are concatenated)."
-                )
-        return list(given)
-
-    def _scalar_reduction(self, fwd: Forward, inp: Inputs, i: int) -> str:
-        m = self.cfg.microbatches
-        axes = {fwd.n_params + j: a for j, a in enumerate(inp.axes) if a is not None}
-        parts = m > 1 or self.dp is not None  # values combined: microbatches' or replicas'
-        kind = batch_reduction(fwd.gm, axes, i) if parts else None
-        if kind == "divided":  # a count (a mean) or a constant (a sum)? trace at twice the batch
-            again = self._trace_at_twice_the_batch(inp)
-            kind = "mean" if again is None else batch_reduction(again.gm, axes, i)
-        if kind is None and inp.tp and (m > 1 or self.dp is not None):
-            warnings.warn(
-                f"{self.cfg.call}: fpipe cannot read how output {i} reduces the batch through the "
-                "tensor-parallel collectives (a gather or scatter on the batch's path, as "
-                "sequence parallelism has), so it averages the microbatch values. If the output "
-                "is a sum over the batch, pass out_axes='sum'; pass out_axes='mean' to confirm a "
-                "mean (and silence this).",
-                stacklevel=10,
-            )
-        if kind == "mixed":
-            warnings.warn(
-                f"{self.cfg.call}: output {i} adds a sum over the batch to a term that is not "
-                "summed over the batch (a constant, or a mean); no combination of the "
-                f"{m} microbatch values reproduces the unsplit function, so fpipe "
-                "averages them. Pass out_axes='sum' to add them instead, or make the loss a mean "
-                "(or a sum) throughout.",
-                stacklevel=10,
-            )
-        return "sum" if kind == "sum" else "mean"
+        """Per output: 'mean', 'sum' or a concatenation axis (out_reduce.py)."""
+        replicas = self.dp.size if self.dp is not None else 1
+        return choose_reductions(self.cfg, fwd, inp, replicas, lambda: self._trace_at_twice_the_batch(inp))
 
     def _trace_at_twice_the_batch(self, inp: Inputs) -> Forward | None:
         """The forward graph at microbatches twice as large (fake tensors: no memory), or None

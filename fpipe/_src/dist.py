@@ -18,14 +18,6 @@ Store keys are per pipeline: "fpipe/<group>/<n>/failed/<call>" and ".../waits/<r
 pipelines in one group, or dp replicas of one, never read each other's failures. A failure does
 not end the process: a script that catches it goes on and exits as it chooses; one that does not
 exits with status 1 right after the traceback and its atexit handlers (`exit_hard_after_failure`).
-
-# NOTE [restarted attempts]
-Under torchrun the workers share the elastic agent's store (TORCHELASTIC_USE_AGENT_STORE), which
-outlives an attempt: after `--max-restarts` restarts the job, a plain `init_process_group` finds
-the dead attempt's keys (its ranks' gloo addresses) and fails to connect ("connectFullMesh ...
-Connection refused") or hangs. fpipe starts the group over that store under a prefix of the
-attempt's number (TORCHELASTIC_RESTART_COUNT), so each attempt meets only its own ranks. A script
-that starts the group itself (or a DeviceMesh) must do the same to survive a restart.
 """
 
 from __future__ import annotations
@@ -34,7 +26,7 @@ import dataclasses
 import datetime
 import functools
 import hashlib
-import os
+import pickle
 import queue
 import threading
 import time
@@ -45,8 +37,9 @@ import torch
 import torch.distributed as dist
 
 from .exiting import EXITING, exit_hard_after_failure, settle_at_exit
+from .group_start import start_group
 
-__all__ = ["PPGroup", "pp_group", "start_group", "PeerFailure", "DEFAULT_TIMEOUT"]
+__all__ = ["PPGroup", "pp_group", "PeerFailure", "DEFAULT_TIMEOUT"]
 
 DEFAULT_TIMEOUT = 300.0
 _SEQ: dict[str, int] = {}  # pipelines called so far per process group (by its global ranks)
@@ -108,11 +101,28 @@ class PPGroup:
         self.wait_all([work], timeout, functools.partial(str, what), poll=True)
         return t
 
-    def all_reduce(self, t: torch.Tensor, timeout: float, what: str) -> torch.Tensor:
-        """The sum of `t` over the group's ranks, in place (`t` contiguous)."""
-        work = dist.all_reduce(t, group=self.group, async_op=True)
+    def all_reduce(self, t: torch.Tensor, timeout: float, what: str, op: Any = None) -> torch.Tensor:
+        """The sum (or `op`) of `t` over the group's ranks, in place (`t` contiguous)."""
+        work = dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=self.group, async_op=True)
         self.wait_all([work], timeout, functools.partial(str, what), poll=True)
         return t
+
+    def gather_objects(self, obj: Any, timeout: float, what: str) -> list[Any]:
+        """Every rank's picklable `obj`, by two all-gathers (sizes, then bytes) under the deadline
+        (torch's all_gather_object waits without one)."""
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.int64, device=self.device)
+        sizes = [torch.empty_like(size) for _ in range(self.size)]
+        self._gather(sizes, size, timeout, what)
+        padded = torch.zeros(int(max(sizes)), dtype=torch.uint8, device=self.device)
+        padded[: data.numel()] = data.to(self.device)
+        every = [torch.empty_like(padded) for _ in range(self.size)]
+        self._gather(every, padded, timeout, what)
+        return [pickle.loads(e[: int(n)].cpu().numpy().tobytes()) for e, n in zip(every, sizes)]
+
+    def _gather(self, out: list[torch.Tensor], t: torch.Tensor, timeout: float, what: str) -> None:
+        work = dist.all_gather(out, t, group=self.group, async_op=True)
+        self.wait_all([work], timeout, functools.partial(str, what), poll=True)
 
     def report_failure(self, message: str) -> None:
         """Tell the other ranks why this one is stopping (first report of this call wins)."""
@@ -376,34 +386,6 @@ class SendReaper:
         if self.error is not None:
             err, self.error = self.error, None
             raise err
-
-
-def _init_from_env(timeout: float) -> None:
-    """Start the default process group from torchrun's variables (NOTE [restarted attempts])."""
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    delta = datetime.timedelta(seconds=max(timeout, 60.0))
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        dist.init_process_group(backend, timeout=delta)
-        return
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    agent = dist.TCPStore(host, port, world, is_master=False, timeout=delta)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.PrefixStore(f"fpipe/attempt/{attempt}", agent)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=delta)
-
-
-def start_group(timeout: float = DEFAULT_TIMEOUT) -> bool:
-    """Whether a default process group is up, starting it from torchrun's environment if it is not
-    yet (`pipeline`'s first call, `plan`); False in one process."""
-    if dist.is_initialized():
-        return True
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or "MASTER_ADDR" not in os.environ:
-        return False
-    _init_from_env(timeout)
-    return True
 
 
 def pp_group(mesh: Any = None, timeout: float = DEFAULT_TIMEOUT) -> PPGroup | None:

@@ -23,7 +23,7 @@ from .compiler import Compiled
 from .dist import PPGroup
 from .dtensors import like, local
 from .inputs import Inputs
-from .replicas import reduce_values
+from .replicas import mean_of, reduce_values
 from .run import Results
 from .sharding import broadcast_shard
 
@@ -73,12 +73,12 @@ def _values(
     out = []
     for i in range(n):
         src = c.runner.rank_of(c.staged.producer[c.staged.out_names[i]])
+        shape, dtype = _reduced_meta(c, i, m)  # what every rank expects: the traced dtype
         if src == pg.rank:
             val = reduce([[r[i]] for r in results], [c.reductions[i]])[0].contiguous()
+            assert (val.shape, val.dtype) == (shape, dtype), (i, val.shape, val.dtype, shape, dtype)
         else:
-            val = torch.empty(
-                _reduced_shape(c, i, m), dtype=c.staged.meta[c.staged.out_names[i]][1], device=pg.device
-            )
+            val = torch.empty(shape, dtype=dtype, device=pg.device)
         out.append(pg.broadcast(val, src, timeout, f"receiving output {i} from rank {src}"))
     return out
 
@@ -89,12 +89,13 @@ def cotangent(c: Compiled, parts: int) -> float:
 
 
 def reduce(per_mb: list[list[torch.Tensor]], reductions: Sequence[str | int]) -> list[torch.Tensor]:
-    """Combine each output's microbatch values: their mean, their sum, or concatenated."""
+    """Combine each output's microbatch values: their mean, their sum, or concatenated -- in
+    their dtype (NOTE [outputs keep their dtype] in out_reduce.py)."""
     out = []
     for i, r in enumerate(reductions):
         vals = [mb[i] for mb in per_mb]
         if r == "mean":
-            out.append(_sum(vals) / len(vals))
+            out.append(mean_of(_sum(vals), len(vals)))
         elif r == "sum":
             out.append(_sum(vals))
         else:
@@ -109,12 +110,13 @@ def _sum(gs: list[torch.Tensor]) -> torch.Tensor:
     return acc
 
 
-def _reduced_shape(c: Compiled, i: int, m: int) -> torch.Size:
-    shape, _ = c.staged.meta[c.staged.out_names[i]]
+def _reduced_meta(c: Compiled, i: int, m: int) -> tuple[torch.Size, torch.dtype]:
+    """Output `i`'s shape and dtype once reduced over `m` microbatches (its traced dtype)."""
+    shape, dtype = c.staged.meta[c.staged.out_names[i]]
     r = c.reductions[i]
     if isinstance(r, int):
-        return torch.Size([d * m if k == r else d for k, d in enumerate(shape)])
-    return shape
+        return torch.Size([d * m if k == r else d for k, d in enumerate(shape)]), dtype
+    return shape, dtype
 
 
 def grads(

@@ -21,7 +21,7 @@ tp in every tp group at once (plan_cost.py: NOTE [what the planner measures]); t
 Candidates whose peak is over `memory_limit` less the headroom `pipeline(memory_limit=)` keeps
 (`remat_choose.target_of`: 15 % for what the prediction does not see) are dropped; the rest are
 ranked by predicted step. Under torchrun `plan` starts the process group as `pipeline` does
-(`dist.start_group`): the ranks then measure together and agree on every figure, so every rank
+(`group_start.start_group`): the ranks then measure together and agree on every figure, so every rank
 makes the same plan.
 """
 
@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
-from .dist import start_group
+from .dist import DEFAULT_TIMEOUT
+from .group_start import start_group
 from .plan_cost import OPTIMIZERS, Links, StageTimes, crossing_bytes, rank_memory, world
 from .plan_measure import CACHE, Measured, measure, signature, tp_builds
 from .plan_table import table
@@ -301,7 +302,7 @@ def plan(
             reachable).
     """
     call = f"plan({getattr(f, '__name__', repr(f))}, world_size={world_size!r})"
-    start_group()  # under torchrun, as pipeline() does: the ranks plan together
+    start_group(DEFAULT_TIMEOUT)  # under torchrun, as pipeline() does: the ranks plan together
     _check(call, params, world_size, optimizer, verify)
     tp, tp_mesh = tp_layout(call, params, world_size)
     batch = _batch(call, example_args, example_kwargs)

@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_flatten
 
 from .api import Pipelined
 from .autodiff import value_and_grad
+from .dist import DEFAULT_TIMEOUT, group_of
 from .memory import MemoryReport, predict
 from .plan_tp import tp_groups
 from .replicas import Groups
@@ -67,9 +68,11 @@ def agree(values: list[float], op: str = "mean") -> list[float]:
     """`values` averaged (or their max) over the ranks of the default group; as they are alone."""
     if world()[1] == 1 or not values:
         return values
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-    vec = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(vec, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    pg = group_of(dist.group.WORLD)
+    assert pg is not None
+    vec = torch.tensor(values, dtype=torch.float64, device=pg.device)
+    what = "fpipe.plan: the ranks' measurements"  # under fpipe's deadline (NOTE [failures never hang])
+    pg.all_reduce(vec, DEFAULT_TIMEOUT, what, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
     return (vec if op == "max" else vec / world()[1]).cpu().tolist()
 
 

@@ -15,7 +15,23 @@ writes, and tensor-parallel collectives) to the operation that reduces it:
 * "mixed": a sum plus a term that does not depend on the batch, or a sum plus a mean: no
   combination of the microbatch values reproduces it.
 * None: anything the analysis does not follow (a loss that is not linear in the reduced value,
-  an operation it has no rule for): fpipe keeps the documented default, the mean.
+  an operation it has no rule for): fpipe keeps the documented default, the mean, and warns
+  (`Reading.pooled_by` names the operation that reduced the batch, where one did).
+
+# NOTE [interacting examples]
+The same walk sees where the examples of a batch meet: an operation *pools* the batch when it
+reduces over the batch's dim (a sum or mean, a loss, a max, a norm, a matrix product that
+contracts the batch, a softmax over it), and every value computed from a pooled one carries
+that origin. (BatchNorm in training mode is the documented exception: its statistics are the
+microbatch's, as in every pipeline and in gradient accumulation; the walk passes through it.)
+When a pooled value and a per-example value (one whose batch the walk still
+follows) meet in one operation -- `x - x.mean(0)`, the batch statistic of a normalisation, the
+weights of an inner `torch.func.grad` step over the whole batch (MAML) used on the examples --
+each example's result depends on the others: a pipeline, which runs each microbatch on its own,
+computes the per-microbatch function (gradient accumulation's semantics), not the unsplit one.
+`Reading.interaction` names the first such meeting; the compiler warns (out_reduce.py). Ops
+that read only a value's shape (`ones_like`) carry no origin; a loss reduced at the end meets
+no per-example value afterwards and is not an interaction.
 """
 
 from __future__ import annotations
@@ -23,27 +39,35 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
 
+from .batch_moves import (
+    MATMUL,
+    MOVES,
+    RESHAPE,
+    UNKNOWN,
+    Batch,
+    args_of,
+    gathered,
+    iota_indexed,
+    masked_write,
+    matmul,
+    piece,
+    prod,
+    reshaped,
+    shape_of,
+    split_dim,
+    target_of,
+)
 from .marker import BOUNDARY, BOUNDARY_BWD
 from .tp_collectives import tp_all_gather, tp_all_reduce, tp_broadcast, tp_reduce_scatter
 
-__all__ = ["batch_reduction"]
+__all__ = ["Reading", "batch_reduction", "read_outputs"]
 
 aten = torch.ops.aten
-
-
-@dataclasses.dataclass(frozen=True)
-class _Batch:
-    """The batch lives in dim `dim`, as the factor of size `size` whose stride within it is `inner`."""
-
-    dim: int
-    inner: int
-    size: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +79,6 @@ class _Reduced:
     divided: bool = False  # a mean only because a sum was divided by a number equal to its count
 
 
-_UNKNOWN = "unknown"
 _MIXED = "mixed"
 _LOSS_REDUCTION_ARG = {  # loss op -> position of its `reduction` argument (0 none, 1 mean, 2 sum)
     aten.nll_loss_forward.default: 3,
@@ -72,8 +95,20 @@ _SAME = {  # ops whose first output keeps the batch where its first input has it
     aten.clone.default, aten.detach.default, aten.alias.default, aten._to_copy.default,
     aten.native_dropout.default, aten.lift_fresh_copy.default, aten.contiguous.default,
     # tensor parallel: a sum of the tp ranks' partial values (or one rank's) keeps the batch where
-    # it was, and a reduced value reduced (tp_collectives.py; gathers: `_gathered`)
+    # it was, and a reduced value reduced (tp_collectives.py; gathers: `gathered`)
     tp_all_reduce, tp_broadcast,
+}  # fmt: skip
+_BATCH_NORMS = {  # BatchNorm (documented: statistics per microbatch); output 0 keeps the batch
+    aten.native_batch_norm.default, aten._native_batch_norm_legit.default,
+    aten._native_batch_norm_legit_functional.default, aten._native_batch_norm_legit.no_stats,
+    aten._native_batch_norm_legit_no_training.default, aten.cudnn_batch_norm.default,
+    aten.miopen_batch_norm.default,
+}  # fmt: skip
+_SPATIAL = {  # (N, C, ...) in, (N, C', ...) out, each example on its own
+    aten.convolution.default, aten._convolution.default, aten.max_pool2d_with_indices.default,
+    aten.max_pool1d_with_indices.default, aten.avg_pool2d.default, aten.avg_pool1d.default,
+    aten._adaptive_avg_pool2d.default, aten.adaptive_max_pool2d.default,
+    aten.constant_pad_nd.default, aten.upsample_nearest2d.default,
 }  # fmt: skip
 _SPLITS = {aten.split.Tensor, aten.split_with_sizes.default}
 _ATTENTION = {  # (batch, heads, seq, d) in: the batch stays in dim 0 of the output (and of item 0)
@@ -92,89 +127,17 @@ _LINEAR = {aten.add.Tensor, aten.sub.Tensor, aten.add.Scalar, aten.sub.Scalar, a
 _SCALE = {aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar}
 
 
-def _args(node: fx.Node) -> Any:
-    return node.args  # fx's Argument union is too wide to index without a cast at every use
-
-
-def _target(node: fx.Node) -> Any:
-    return node.target
-
-
-def _shape(node: Any) -> tuple[int, ...] | None:
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
-
-
-def _prod(xs: Sequence[int]) -> int:
-    return math.prod(xs)
-
-
-def _reshaped(b: _Batch, old: Sequence[int], new: Sequence[int]) -> Any:
-    """The batch factor after a row-major reshape: in the one new dim that holds it whole."""
-    after = b.inner * _prod(old[b.dim + 1 :])  # the factor's stride in the flat index
-    for j in range(len(new)):
-        below = _prod(new[j + 1 :])
-        if after % below == 0 and after * b.size <= below * new[j]:
-            return _Batch(j, after // below, b.size)
-    return _UNKNOWN
-
-
-# Tensor parallelism moves the batch through DTensor's collectives along dim 0: an all-gather
-# stacks the tp ranks' tensors in dim 0, split back into pieces and concatenated along the
-# sharded dim; a reduce-scatter keeps one of the tp chunks of dim 0. Each tp rank's tensor has the
-# same batch layout, so the batch stays where it was, with the ranks as an outer factor of dim 0;
-# a piece or chunk keeps it when it holds the batch factor whole.
-
-
-def _gathered(node: fx.Node, states: list[Any]) -> Any:
-    """tp_all_gather / tp_reduce_scatter / cat of tensors with one batch layout: the same."""
-    live = [x for x in states if x is not None]
-    if not live or any(x != live[0] for x in live) or not isinstance(live[0], _Batch):
-        return _UNKNOWN
-    b = live[0]
-    if node.target is tp_reduce_scatter and b.dim == 0:
-        rows = (_shape(node) or (0,))[0]
-        return b if rows % (b.inner * b.size) == 0 else _UNKNOWN
-    if node.target is aten.cat.default and len(live) < len(states):
-        return _UNKNOWN  # a piece with no batch beside pieces with one
-    return b
-
-
-def _masked_write(node: fx.Node, states: list[Any]) -> bool:
-    x, indices = _args(node)[:2]
-    masks = [m.meta.get("val") for m in indices if isinstance(m, fx.Node)]
-    bools = len(masks) == len(indices) == 1 and getattr(masks[0], "dtype", None) is torch.bool
-    lead = _shape(indices[0]) if bools else None  # a mask over x's leading dims
-    same = lead is not None and (_shape(x) or ())[: len(lead)] == lead
-    return bool(same and states[-1] is None and len(set(states[:-1])) == 1)
-
-
-def _split_dim(node: fx.Node) -> int:
-    args = _args(node)
-    return int(args[2]) if len(args) > 2 else int(node.kwargs.get("dim", 0))  # type: ignore[arg-type]
-
-
-def _piece(b: _Batch, whole: Any, piece: Any, dim: int) -> Any:
-    """A piece of a split: the batch where it was if the split leaves its factor whole."""
-    if whole is None or piece is None:
-        return _UNKNOWN
-    dim = dim % len(whole)
-    if dim != b.dim:
-        return b
-    return b if piece[dim] % (b.inner * b.size) == 0 else _UNKNOWN
-
-
 def _combine(states: list[Any], op: Any) -> Any:
     """Pointwise combination of the inputs' states (None: does not depend on the batch)."""
-    if _UNKNOWN in states or _MIXED in states:
-        return _MIXED if _MIXED in states else _UNKNOWN
+    if UNKNOWN in states or _MIXED in states:
+        return _MIXED if _MIXED in states else UNKNOWN
     live = [s for s in states if s is not None]
     if not live:
         return None
-    if all(isinstance(s, _Batch) for s in live):
-        return live[0] if len(set(live)) == 1 else _UNKNOWN
+    if all(isinstance(s, Batch) for s in live):
+        return live[0] if len(set(live)) == 1 else UNKNOWN
     if not all(isinstance(s, _Reduced) for s in live) or op not in _LINEAR:
-        return _UNKNOWN
+        return UNKNOWN
     kinds = {s.kind for s in live}
     if len(kinds) > 1 or (kinds == {"sum"} and len(live) < len(states)):
         return _MIXED  # a sum plus a constant term, or a sum plus a mean
@@ -182,11 +145,36 @@ def _combine(states: list[Any], op: Any) -> Any:
 
 
 class _Analysis:
-    def __init__(self, gm: fx.GraphModule, batch: dict[fx.Node, _Batch]) -> None:
+    def __init__(self, gm: fx.GraphModule, batch: dict[fx.Node, Batch]) -> None:
         self.state: dict[fx.Node, Any] = dict(batch)
+        self.pooled: dict[fx.Node, fx.Node] = {}  # value -> the op that pooled the batch before it
+        self.interaction: tuple[fx.Node, fx.Node] | None = None  # (pooling op, where it meets)
         for node in gm.graph.nodes:
             if node.op == "call_function":
+                states = [self.of(a) for a in node.all_input_nodes]
                 self.state[node] = self._rule(node)
+                self._pool(node, states)
+
+    def _pool(self, node: fx.Node, states: list[Any]) -> None:
+        """NOTE [interacting examples]: the origin of the pooled values `node` reads, and the
+        first meeting of a pooled value and a per-example one."""
+        t = target_of(node)
+        if t in _SHAPE_ONLY:
+            return
+        if t is operator.getitem and args_of(node)[0].target in (BOUNDARY, BOUNDARY_BWD):
+            origins = [self.pooled.get(args_of(args_of(node)[0])[0][args_of(node)[1]])]
+        elif t in (BOUNDARY, BOUNDARY_BWD):  # values crossing a cut together: no meeting
+            return
+        else:
+            origins = [self.pooled.get(a) for a in node.all_input_nodes]
+        origin = next((o for o in origins if o is not None), None)
+        if origin is None:
+            if _pools(node, states, self.state[node]):
+                self.pooled[node] = node
+            return
+        self.pooled[node] = origin
+        if self.interaction is None and any(isinstance(s, Batch) for s in states):
+            self.interaction = (origin, node)
 
     def of(self, x: Any) -> Any:
         return self.state.get(x) if isinstance(x, fx.Node) else None
@@ -195,13 +183,15 @@ class _Analysis:
         states = [self.of(a) for a in node.all_input_nodes]
         if all(s is None for s in states):
             return None
-        t, args = _target(node), _args(node)
+        t, args = target_of(node), args_of(node)
         if t is operator.getitem:
             return self._getitem(node)
         if t in _SUMS:
             return self._reduce(node, _SUMS[t])
         if t in _LOSS_REDUCTION_ARG:
             return self._loss(node)
+        if t in _OTHER_REDUCTIONS:
+            return self._reduce(node, UNKNOWN)
         if t in _SCALE and isinstance(self.of(args[0]), _Reduced):
             return self._scaled(node)
         if isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags:
@@ -209,94 +199,143 @@ class _Analysis:
         return self._structural(node, states)
 
     def _getitem(self, node: fx.Node) -> Any:
-        parent, i = _args(node)
+        parent, i = args_of(node)
         if isinstance(parent, fx.Node) and parent.target in (BOUNDARY, BOUNDARY_BWD):
             return self.of(parent.args[0][i])  # type: ignore[index]
         s = self.of(parent)
-        if isinstance(parent, fx.Node) and parent.target in _SPLITS and isinstance(s, _Batch):
-            return _piece(s, _shape(parent.args[0]), _shape(node), _split_dim(parent))
-        if isinstance(s, _Batch) and i != 0:  # a dropout mask, a norm's statistics: not followed
-            return _UNKNOWN
+        if isinstance(parent, fx.Node) and parent.target in _SPLITS and isinstance(s, Batch):
+            return piece(s, shape_of(parent.args[0]), shape_of(node), split_dim(parent))
+        if isinstance(s, Batch) and i != 0:  # a dropout mask, a norm's statistics: not followed
+            return UNKNOWN
         return s
 
     def _pointwise(self, node: fx.Node, states: list[Any]) -> Any:
-        out = _shape(node)
+        out = shape_of(node)
         moved = []
         for a, s in zip(node.all_input_nodes, states):
-            if isinstance(s, _Batch) and out is not None:
-                shape = _shape(a) or ()
-                s = _Batch(s.dim + len(out) - len(shape), s.inner, s.size)
+            if isinstance(s, Batch) and out is not None:
+                shape = shape_of(a) or ()
+                s = Batch(s.dim + len(out) - len(shape), s.inner, s.size)
             moved.append(s)
-        return _combine(moved, _target(node))
+        return _combine(moved, target_of(node))
 
     def _scaled(self, node: fx.Node) -> Any:
-        red, other = self.of(_args(node)[0]), _args(node)[1]
+        red, other = self.of(args_of(node)[0]), args_of(node)[1]
         if self.of(other) is not None:
-            return _UNKNOWN
-        if red.kind == "sum" and _divides_to_mean(_target(node), other, red.counts):
+            return UNKNOWN
+        if red.kind == "sum" and _divides_to_mean(target_of(node), other, red.counts):
             return _Reduced("mean", divided=True)
         return _Reduced(red.kind, divided=red.divided)
 
     def _reduce(self, node: fx.Node, kind: str) -> Any:
-        src = _args(node)[0]
-        s, shape = self.of(src), _shape(src)
-        if not isinstance(s, _Batch) or shape is None:
-            return s if isinstance(s, _Reduced) or s in (None, _MIXED) else _UNKNOWN
+        src = args_of(node)[0]
+        s, shape = self.of(src), shape_of(src)
+        if not isinstance(s, Batch) or shape is None:
+            kept = isinstance(s, _Reduced) and kind != UNKNOWN or s in (None, _MIXED)
+            return s if kept else UNKNOWN
         dims = _dims(node, len(shape))
         if s.dim not in dims:
-            keep = bool(node.kwargs.get("keepdim", _args(node)[2] if len(_args(node)) > 2 else False))
-            return s if keep else _Batch(s.dim - sum(d < s.dim for d in dims), s.inner, s.size)
-        reduced = _prod([shape[d] for d in dims])
+            keep = bool(_schema_arg(node, "keepdim", False))
+            return s if keep else Batch(s.dim - sum(d < s.dim for d in dims), s.inner, s.size)
+        if kind == UNKNOWN:  # a max, a norm, ...: neither a sum nor a mean (`Reading.pooled_by`)
+            return UNKNOWN
+        reduced = prod([shape[d] for d in dims])
         return _Reduced(kind, frozenset({reduced, shape[s.dim], s.size}))
 
     def _loss(self, node: fx.Node) -> Any:
-        pos = _LOSS_REDUCTION_ARG[_target(node)]
-        how = _args(node)[pos] if len(_args(node)) > pos else node.kwargs.get("reduction", 1)
-        s = self.of(_args(node)[0])
-        if not isinstance(s, _Batch) or how not in (1, 2):
-            return _UNKNOWN
-        shape = _shape(_args(node)[0]) or ()
-        return _Reduced("mean" if how == 1 else "sum", frozenset({_prod(shape), shape[s.dim], s.size}))
+        pos = _LOSS_REDUCTION_ARG[target_of(node)]
+        how = args_of(node)[pos] if len(args_of(node)) > pos else node.kwargs.get("reduction", 1)
+        s = self.of(args_of(node)[0])
+        if how == 0 and isinstance(s, Batch):  # reduction='none': per example (a class dim leaves)
+            nll = target_of(node) in (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
+            others = {self.of(a) for a in node.all_input_nodes[1:]} - {None, s}
+            return s if others == set() and (not nll or s.dim == 0) else UNKNOWN
+        if not isinstance(s, Batch) or how not in (1, 2):
+            return UNKNOWN
+        shape = shape_of(args_of(node)[0]) or ()
+        return _Reduced("mean" if how == 1 else "sum", frozenset({prod(shape), shape[s.dim], s.size}))
 
     def _structural(self, node: fx.Node, states: list[Any]) -> Any:
-        t, args = _target(node), _args(node)
+        t, args = target_of(node), args_of(node)
         if t in (tp_all_gather, tp_reduce_scatter, aten.cat.default):
-            return _gathered(node, [self.of(a) for a in node.all_input_nodes])
-        if t in _SPLITS:  # the pieces: `_getitem` / `_piece`
-            return self.of(args[0]) if isinstance(self.of(args[0]), _Batch) else _UNKNOWN
-        if t is aten.index_put.default and _masked_write(node, states):
+            return gathered(node, [self.of(a) for a in node.all_input_nodes])
+        if t in _SPLITS:  # the pieces: `_getitem` / `piece`
+            return self.of(args[0]) if isinstance(self.of(args[0]), Batch) else UNKNOWN
+        if t is aten.index_put.default and masked_write(node, states):
             return states[0]  # `x[mask] = v`, a boolean mask of x's layout: pointwise
         if t in _ATTENTION:  # each example attends within itself: q, k, v share the batch in dim 0
             live = {x for x in states if x is not None}
             b = live.pop() if len(live) == 1 else None
-            return b if isinstance(b, _Batch) and b.dim == 0 else _UNKNOWN
+            return b if isinstance(b, Batch) and b.dim == 0 else UNKNOWN
+        if t in _FRESH or t in _NEW and tuple(args[1]) == shape_of(args[0]):  # type: ignore[arg-type]
+            return states[0] if isinstance(states[0], Batch) else None  # values: none of the batch
+        if t in _BATCH_NORMS or t in _SPATIAL:  # BatchNorm: per microbatch by contract (NOTE)
+            b = states[0]
+            return b if isinstance(b, Batch) and b.dim == 0 and not any(states[1:]) else UNKNOWN
         if t is aten.embedding.default:  # the weight holds no batch; the indices' batch stays put
-            return self.of(args[1]) if states[0] is None else _UNKNOWN
+            return self.of(args[1]) if states[0] is None else UNKNOWN
         if t is aten.index.Tensor and self.of(args[0]) is None and len(args[1]) == 1:  # type: ignore[arg-type]
             return self.of(args[1][0])  # a table looked up by batched indices: `emb[idx]`
-        if t in _MATMUL:
-            return _matmul(node, [self.of(a) for a in args])
+        if t in _WRITES_INTO and isinstance(states[0], Batch) and states[1] in (None, states[0]):
+            dim = int(args[2]) if t is aten.slice_scatter.default and len(args) > 2 else None  # type: ignore[arg-type]
+            return (
+                states[0] if dim is None or dim % len(shape_of(args[0]) or (0,)) != states[0].dim else UNKNOWN
+            )
+        if t is aten.index.Tensor and isinstance(states[0], Batch):
+            return iota_indexed(node, states[0], [self.of(i) for i in args[1]])  # type: ignore[union-attr]
+        if t in MATMUL:
+            return matmul(node, [self.of(a) for a in args])
         s = self.of(args[0]) if args else None
         if isinstance(s, _Reduced) and t in (*_SAME, aten.view.default, aten.squeeze.default):
             return s
-        if not isinstance(s, _Batch) or any(x is not None for x in states[1:]):
-            return _UNKNOWN
-        old, new = _shape(args[0]), _shape(node)
+        if not isinstance(s, Batch) or any(x is not None for x in states[1:]):
+            return UNKNOWN
+        old, new = shape_of(args[0]), shape_of(node)
         if t in _SAME:
             return s
-        if t in _RESHAPE and old is not None and new is not None:
-            return _reshaped(s, old, new)
-        rule = _MOVES.get(t)
-        return rule(s, node, len(old or ())) if rule else _UNKNOWN
+        if t in RESHAPE and old is not None and new is not None:
+            return reshaped(s, old, new)
+        rule = MOVES.get(t)
+        return rule(s, node, len(old or ())) if rule else UNKNOWN
+
+
+def _schema_arg(node: fx.Node, name: str, default: Any) -> Any:
+    """Argument `name` of an aten op's call, by its schema (positional or keyword)."""
+    if name in node.kwargs:
+        return node.kwargs[name]
+    names = [a.name for a in target_of(node)._schema.arguments]
+    k = names.index(name) if name in names else len(args_of(node))
+    return args_of(node)[k] if k < len(args_of(node)) else default
 
 
 def _dims(node: fx.Node, ndim: int) -> list[int]:
-    if _target(node) in (aten.sum.default, aten.mean.default):
-        return list(range(ndim))
-    dims: Any = _args(node)[1] if len(_args(node)) > 1 else node.kwargs.get("dim")
+    """The dims a reduction reduces (all of them for a full one)."""
+    dims: Any = _schema_arg(node, "dim", None) if target_of(node) not in _FULL else None
     if dims is None or dims == []:
         return list(range(ndim))
     return sorted({d % ndim for d in (dims if isinstance(dims, (list, tuple)) else [dims])})
+
+
+def _pools(node: fx.Node, states: list[Any], out: Any) -> bool:
+    """Does `node` reduce over (or mix) the batch's dim? (NOTE [interacting examples])"""
+    t, args = target_of(node), args_of(node)
+    first = states[0] if states else None
+    if t in _SUMS or t in _LOSS_REDUCTION_ARG:
+        return isinstance(first, Batch) and isinstance(out, _Reduced)
+    if t in _OTHER_REDUCTIONS:
+        return isinstance(first, Batch) and not isinstance(out, Batch)
+    if t in (aten._softmax.default, aten._safe_softmax.default, aten._log_softmax.default) and isinstance(
+        first, Batch
+    ):
+        return int(args[1]) % len(shape_of(args[0]) or (0,)) == first.dim
+    if t not in MATMUL:
+        return False
+    operands = [a for a in args if isinstance(a, fx.Node)][-2:]  # (addmm: without the bias)
+    a, b = (shape_of(o) or () for o in operands)
+    sa, sb = (s for s in states[-2:]) if len(states) >= 2 else (None, None)
+    contracted_a = isinstance(sa, Batch) and sa.dim == len(a) - 1
+    contracted_b = isinstance(sb, Batch) and sb.dim == max(len(b) - 2, 0)
+    return contracted_a or contracted_b
 
 
 def _divides_to_mean(op: Any, other: Any, counts: frozenset[int]) -> bool:
@@ -306,88 +345,66 @@ def _divides_to_mean(op: Any, other: Any, counts: frozenset[int]) -> bool:
     return any(math.isclose(other, c, rel_tol=1e-9) for c in counts)
 
 
-def _matmul(node: fx.Node, states: list[Any]) -> Any:
-    """A product keeps a batch that lives in the rows of its first operand (and the leading dim
-    of a batched product, when both operands hold the batch there alike)."""
-    operands = list(_args(node))
-    if _target(node) is aten.addmm.default:
-        if states[0] is not None:
-            return _UNKNOWN
-        states, operands = states[1:], operands[1:]
-    first, second = states[0], states[1]
-    ndim = len(_shape(operands[0]) or ())
-    if not isinstance(first, _Batch) or first.dim >= ndim - 1:  # none, or in the contracted dim
-        return _UNKNOWN
-    if second is not None and (second != first or first.dim >= ndim - 2):
-        return _UNKNOWN
-    return first
+_OTHER_REDUCTIONS = {  # reductions over dims that are neither a sum nor a mean
+    aten.amax.default, aten.amin.default, aten.argmax.default, aten.argmin.default,
+    aten.max.default, aten.min.default, aten.max.dim, aten.min.dim, aten.logsumexp.default,
+    aten.var.correction, aten.std.correction, aten.prod.dim_int, aten.prod.default,
+    aten.linalg_vector_norm.default, aten.any.dim, aten.all.dim,
+}  # fmt: skip
+_FULL = {aten.sum.default, aten.mean.default, aten.max.default, aten.min.default, aten.prod.default}
+_FRESH = {  # a value of the input's shape whose values do not depend on the input's (a dropout
+    # mask: empty_like, then bernoulli_): per element, in the input's layout
+    aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default,
+    aten.full_like.default, aten.rand_like.default, aten.randn_like.default,
+    aten.bernoulli_.float, aten.bernoulli.p, aten.bernoulli.default, aten.uniform_.default,
+    aten.normal_.default, aten.fill.Scalar, aten.fill.Tensor,
+}  # fmt: skip
+_WRITES_INTO = {aten.copy.default, aten.slice_scatter.default, aten.select_scatter.default}
+_NEW = {aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default, aten.new_full.default}
+_SHAPE_ONLY = _FRESH | _NEW | {aten.sym_size.int}  # read only shapes, dtypes: no pooled origin
 
 
-def _move_permute(s: _Batch, node: fx.Node, ndim: int) -> Any:
-    order = [d % ndim for d in _args(node)[1]]  # type: ignore[union-attr]
-    return _Batch(order.index(s.dim), s.inner, s.size)
+@dataclasses.dataclass
+class Reading:
+    """What the walk over a forward graph read (NOTE [an honest reduction], NOTE [interacting
+    examples]): per output, its state and the op that pooled the batch before it."""
+
+    states: list[Any]
+    pooled_by: list[fx.Node | None]
+    interaction: tuple[fx.Node, fx.Node] | None
+
+    def kind(self, i: int) -> str | None:
+        """Output `i`'s reduction: "mean", "sum", "mixed", "divided" (`batch_reduction`),
+        "constant" (it does not depend on the batch), or None (not followed)."""
+        s = self.states[i]
+        if isinstance(s, _Reduced):
+            return "divided" if s.divided else s.kind
+        return "mixed" if s == _MIXED else "constant" if s is None else None
 
 
-def _move_transpose(s: _Batch, node: fx.Node, ndim: int) -> Any:
-    a, b = (_args(node)[1] % ndim, _args(node)[2] % ndim) if len(_args(node)) > 2 else (0, 1)  # type: ignore[operator]
-    return _Batch({a: b, b: a}.get(s.dim, s.dim), s.inner, s.size)
-
-
-def _move_unsqueeze(s: _Batch, node: fx.Node, ndim: int) -> Any:
-    k = _args(node)[1] % (ndim + 1)  # type: ignore[operator]
-    return _Batch(s.dim + (k <= s.dim), s.inner, s.size)
-
-
-def _move_select(s: _Batch, node: fx.Node, ndim: int) -> Any:
-    k = _args(node)[1] % ndim  # type: ignore[operator]
-    if k == s.dim:
-        return _UNKNOWN
-    return _Batch(s.dim - (k < s.dim), s.inner, s.size) if _target(node) is aten.select.int else s
-
-
-def _move_last_dim(s: _Batch, node: fx.Node, ndim: int) -> Any:
-    """Softmax-like ops over one dim, norms over the trailing dims: per-example if not the batch's."""
-    if _target(node) is aten.native_layer_norm.default:
-        return s if s.dim < ndim - len(_args(node)[1]) else _UNKNOWN  # type: ignore[arg-type]
-    return s if _args(node)[1] % ndim != s.dim else _UNKNOWN  # type: ignore[operator]
-
-
-def _move_expand(s: _Batch, node: fx.Node, ndim: int) -> Any:
-    return _Batch(s.dim + len(_args(node)[1]) - ndim, s.inner, s.size)  # type: ignore[arg-type]
-
-
-_RESHAPE = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
-_MATMUL = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.mv.default}
-_MOVES = {
-    aten.permute.default: _move_permute,
-    aten.transpose.int: _move_transpose,
-    aten.t.default: _move_transpose,
-    aten.unsqueeze.default: _move_unsqueeze,
-    aten.select.int: _move_select,
-    aten.slice.Tensor: _move_select,
-    aten._log_softmax.default: _move_last_dim,
-    aten._softmax.default: _move_last_dim,
-    aten.native_layer_norm.default: _move_last_dim,
-    aten.expand.default: _move_expand,
-}
+def read_outputs(gm: fx.GraphModule, data_axes: dict[int, int]) -> Reading:
+    """Walk the forward graph `gm` once. `data_axes`: placeholder position -> split axis, for
+    the data inputs split into microbatches."""
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    batch = {}
+    for pos, axis in data_axes.items():
+        shape = shape_of(phs[pos])
+        if shape is not None and len(shape) > axis:
+            batch[phs[pos]] = Batch(axis, 1, shape[axis])
+    analysis = _Analysis(gm, batch)
+    outs = list(gm.graph.find_nodes(op="output")[0].args[0])  # type: ignore[arg-type]
+    return Reading(
+        [analysis.of(o) for o in outs],
+        [analysis.pooled.get(o) if isinstance(o, fx.Node) else None for o in outs],
+        analysis.interaction,
+    )
 
 
 def batch_reduction(gm: fx.GraphModule, data_axes: dict[int, int], out_index: int) -> str | None:
     """How output `out_index` (a scalar) of the forward graph `gm` reduces the batch: "mean",
-    "sum", "mixed", None (not followed), or "divided": a mean only because a sum is divided by
-    a number equal to a count it reduced -- `x.sum() / x.shape[0]`, or a constant that happens to
-    equal it; the caller tells them apart by tracing at another batch size (a count changes
-    with it, a constant does not). `data_axes`: placeholder position -> split axis, for the data
-    inputs split into microbatches."""
-    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    batch = {}
-    for pos, axis in data_axes.items():
-        shape = _shape(phs[pos])
-        if shape is not None and len(shape) > axis:
-            batch[phs[pos]] = _Batch(axis, 1, shape[axis])
-    analysis = _Analysis(gm, batch)
-    out = gm.graph.find_nodes(op="output")[0].args[0][out_index]  # type: ignore[index]
-    s = analysis.of(out)
-    if isinstance(s, _Reduced):
-        return "divided" if s.divided else s.kind
-    return "mixed" if s == _MIXED else None
+    "sum", "mixed", None (not followed, or not depending on the batch), or "divided": a mean
+    only because a sum is divided by a number equal to a count it reduced -- `x.sum() /
+    x.shape[0]`, or a constant that happens to equal it; the caller tells them apart by tracing
+    at another batch size (a count changes with it, a constant does not)."""
+    kind = read_outputs(gm, data_axes).kind(out_index)
+    return None if kind == "constant" else kind

@@ -193,13 +193,24 @@ def _buckets(idx: list[int], sums: dict[int, torch.Tensor]) -> list[list[int]]:
 def reduce_values(
     dp: PPGroup, vals: list[torch.Tensor], reductions: list[str | int], timeout: float
 ) -> list[torch.Tensor]:
-    """The global value of each output reduced over microbatches by 'mean' or 'sum'."""
+    """The global value of each output reduced over microbatches by 'mean' or 'sum' (in its
+    dtype: `mean_of`)."""
     out = []
     for v, r in zip(vals, reductions):
         if r in ("mean", "sum"):
             v = v.clone()
             work = dist.all_reduce(v, group=dp.group, async_op=True)
             dp.wait_all([work], timeout, functools.partial(str, "summing outputs over replicas"), poll=True)
-            v = v / dp.size if r == "mean" else v
+            v = mean_of(v, dp.size) if r == "mean" else v
         out.append(v)
     return out
+
+
+def mean_of(total: torch.Tensor, n: int) -> torch.Tensor:
+    """`total / n` in `total`'s dtype (NOTE [outputs keep their dtype] in out_reduce.py: an
+    integer is averaged only when its `n` values are equal, so the division is exact)."""
+    if n == 1:
+        return total
+    if total.is_floating_point() or total.is_complex():
+        return total / n
+    return torch.div(total, n, rounding_mode="floor")

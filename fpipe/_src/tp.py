@@ -31,8 +31,9 @@ hooks take them); the ranks compare their shapes at each call.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -220,3 +221,55 @@ def localize(call: str, inp: Any, tp_mesh: Any) -> Any:
             "as in eager tensor parallelism)."
         )
     return dataclasses.replace(inp, param_leaves=leaves, tp=specs) if specs else inp
+
+
+# -- loss_parallel ------------------------------------------------------------------------------
+# torch.distributed.tensor.parallel.loss_parallel() installs DTensor handlers for cross-entropy
+# on vocab-sharded logits; fpipe's tracing (NOTE [tensor-parallel tracing]) hands the loss plain
+# targets and cannot follow those handlers, so it is refused by name, around the call and inside
+# the function (where the context manager installs them: `_Refusing.update`).
+
+_LOSS_PARALLEL = (
+    "{call}: torch.distributed.tensor.parallel.loss_parallel() {where} is not supported: fpipe "
+    "traces each stage over local shards, and loss_parallel's vocab-parallel cross-entropy does "
+    "not trace there. Compute the loss without it: parallelize the output layer with "
+    "ColwiseParallel(output_layouts=Replicate()) (torchtitan: --parallelism.disable_loss_parallel) "
+    "and call F.cross_entropy on the whole logits."
+)
+
+
+def _loss_ops() -> Any:
+    from torch.distributed.tensor.parallel.loss import customized_loss_ops
+
+    return customized_loss_ops
+
+
+def check_no_loss_parallel(call: str) -> None:
+    """Refuse a pipelined call made inside loss_parallel() (before any collective)."""
+    if any(op in DTensor._op_dispatcher._custom_op_handlers for op in _loss_ops()):
+        raise ValueError(_LOSS_PARALLEL.format(call=call, where="around the pipelined call"))
+
+
+class _Refusing(dict):  # type: ignore[type-arg]
+    """DTensor's custom-op handlers while fpipe traces: loss_parallel() entering is refused."""
+
+    def __init__(self, handlers: dict[Any, Any], call: str) -> None:
+        super().__init__(handlers)
+        self.call = call
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        if any(op in _loss_ops() for op in dict(*args, **kwargs)):
+            raise ValueError(_LOSS_PARALLEL.format(call=self.call, where="inside the function"))
+        super().update(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def refusing_loss_parallel(call: str) -> Iterator[None]:
+    """While tracing: loss_parallel() inside the function raises `_LOSS_PARALLEL`."""
+    dispatcher = DTensor._op_dispatcher
+    handlers = dispatcher._custom_op_handlers
+    dispatcher._custom_op_handlers = _Refusing(handlers, call)
+    try:
+        yield
+    finally:
+        dispatcher._custom_op_handlers = handlers

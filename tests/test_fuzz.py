@@ -29,10 +29,7 @@ RANKS = 2
 # Left out of the CI draw, each with the reason (docs/FUZZING.md lists them). A feature, or
 # features joined by "+": an example with all of them is drawn again without the last one.
 # Empty: every feature and combination is fuzzed.
-EXCLUDED: dict[str, str] = {
-    "int_aux": "issue 24 case 14: an integer aux output comes back as a float (averaged; read as int64 bits on ranks)",
-    "bn_eval+sum_loss": "a sum loss after an eval-mode BatchNorm is averaged over microbatches (docs/FUZZING.md)",
-}
+EXCLUDED: dict[str, str] = {}
 ENABLED = set(FEATURES) - {k for k in EXCLUDED if "+" not in k}
 
 

@@ -183,3 +183,18 @@ def test_a_sum_divided_by_a_count_of_tokens_warns_that_it_is_averaged():
         match=r"cannot read how output 0 reduces the batch, so it averages the 2 microbatch values",
     ):
         fpipe.pipeline(f, microbatches=2)(p, x, y)
+
+
+def test_a_gradient_penalty_summed_over_the_batch_is_summed():
+    """A loss that is a sum over the batch of an inner `torch.func.grad` with respect to the data
+    (a gradient penalty) was averaged over microbatches on b6b0e74 (half the loss, wrong
+    gradients, no warning): the reduction analysis now reads it as a sum (float64, exact)."""
+    g = torch.Generator().manual_seed(0)
+    p = {"a": torch.randn(4, 3, generator=g, dtype=torch.float64)}
+    x = torch.randn(8, 4, generator=g, dtype=torch.float64)
+
+    def f(p, x):
+        return torch.func.grad(lambda x: (x @ p["a"]).sin().sum())(x).pow(2).sum()
+
+    got = fpipe.value_and_grad(fpipe.pipeline(f, microbatches=2))(p, x)
+    assert_trees_close(got, torch.func.grad_and_value(f)(p, x)[::-1])

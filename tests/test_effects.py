@@ -298,9 +298,9 @@ class _Squared(torch.nn.Module):
 
 
 def test_batchnorm_statistics_update_once_under_a_limit():
-    """Issue 24 case 2: 1F1B, 2 stages, 4 microbatches, limit 0.8 x: the recomputed BatchNorm
+    """Issue 24 case 2: 1F1B, 2 stages, 4 microbatches, limit 0.9 x: the recomputed BatchNorm
     runs without its statistics update (base: running_var off by 0.2), gradients exact."""
-    piped, grads, stats, ref_grads, ref_stats = _convbn_step("1f1b", 0.8)
+    piped, grads, stats, ref_grads, ref_stats = _convbn_step("1f1b", 0.9)
     torch.testing.assert_close(stats, ref_stats, rtol=0, atol=1e-12)
     torch.testing.assert_close(grads, ref_grads)
     bn_again = [

@@ -198,3 +198,21 @@ def test_a_gradient_penalty_summed_over_the_batch_is_summed():
 
     got = fpipe.value_and_grad(fpipe.pipeline(f, microbatches=2))(p, x)
     assert_trees_close(got, torch.func.grad_and_value(f)(p, x)[::-1])
+
+
+def test_a_sum_loss_after_an_eval_mode_batchnorm_is_summed():
+    """Found by the fuzzer on b6b0e74 (docs/FUZZING.md): a sum over the batch after a BatchNorm in
+    eval mode (running statistics read, not written) was averaged over microbatches: 9.26 where
+    the unsplit function gives 37.04, no warning."""
+    bn = torch.nn.BatchNorm1d(4).double().eval()
+    with torch.no_grad():
+        bn.running_mean.uniform_(-1, 1)
+        bn.running_var.uniform_(0.5, 2)
+    fn, params = fpipe.functionalize(bn)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+
+    def f(p, x):
+        return fn(p, x).pow(2).sum()
+
+    got = fpipe.value_and_grad(fpipe.pipeline(f, microbatches=4))(params, x)
+    assert_trees_close(got, torch.func.grad_and_value(f)(params, x)[::-1])

@@ -4,6 +4,7 @@ here only those that more than one module uses)."""
 from __future__ import annotations
 
 import pytest
+import torch
 from dist_launch import read_json, report, run_torchrun, torchrun_cmd
 
 TRUST_RANKS = 2
@@ -52,3 +53,14 @@ def four_ranks(tmp_path_factory):
 
     get.folder = parts  # type: ignore[attr-defined]
     return get
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of tiny programs (a second thread buys nothing there, and
+    spins while the cores are shared); modules ask for it with
+    `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -43,13 +43,7 @@ STAGES = [1, 2, 4]
 _MODELS: dict[str, torch.nn.Module] = {}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one intra-op thread (spinning threads crawl on shared cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def model_of(name: str) -> torch.nn.Module:

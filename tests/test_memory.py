@@ -37,13 +37,7 @@ EFFECT_CASES = ["stepbuf-gpipe-2-4@0.8", "stepbuf-1f1b-2-4@0.8"]  # gradients on
 MMAP = {"MALLOC_MMAP_THRESHOLD_": "131072"}  # freed tensors leave the resident set
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny programs: a second thread buys nothing, and spins while the cores are shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _result(log: str) -> dict[str, list[dict[str, int]]]:

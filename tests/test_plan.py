@@ -39,16 +39,6 @@ def inputs() -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def one_thread() -> object:
-    """Measure and run on one thread, as each rank of a torchrun job does (OMP_NUM_THREADS=1):
-    two intra-op threads on a shared 2-core host make timings swing by 10x."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield None
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
 def planned(inputs: tuple, one_thread: object) -> fpipe.Plan:
     params, x, y = inputs
     return fpipe.plan(loss_fn, params, x, y, world_size=2)

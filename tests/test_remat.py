@@ -26,12 +26,7 @@ from fpipe._src.rng import seeded
 DT = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def gpt(stages: int, cls: type = GPT) -> tuple[Any, dict[str, torch.Tensor], tuple[torch.Tensor, ...]]:

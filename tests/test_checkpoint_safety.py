@@ -65,6 +65,33 @@ def test_saving_to_a_project_folder_is_refused_and_touches_nothing(tmp_path, mon
     )
 
 
+def test_a_checkpoint_holding_files_fpipe_did_not_write_is_not_replaced(tmp_path):
+    """A user's file dropped into a checkpoint directory (a config, notes) would be deleted by the
+    next save to that path, which replaces the directory whole: refused, the file and the
+    checkpoint untouched."""
+    ck = tmp_path / "ck"
+    fpipe.save(ck, _params())
+    assert checkpoint_files.foreign_entries(ck, checkpoint_files.manifest_of(ck)) == []
+    (ck / "notes.txt").write_text("mine\n")
+    with pytest.raises(ValueError, match=r"also holds files fpipe did not write \(\['notes.txt'\]\)"):
+        fpipe.save(ck, _params(2.0))
+    assert (ck / "notes.txt").read_text() == "mine\n"
+    p = _params(0.0)
+    fpipe.load(ck, p)
+    assert torch.equal(p["w"], _params()["w"])
+
+
+def test_the_manager_keeps_a_step_folder_holding_a_users_file(tmp_path):
+    """`CheckpointManager(keep=1)` deletes its old step folders, but not one a user put a file
+    into: it warns and keeps it."""
+    mgr = fpipe.CheckpointManager(tmp_path, keep=1, async_=False)
+    mgr.save(1, _params())
+    (mgr.step_dir(1) / "notes.txt").write_text("mine\n")
+    with pytest.warns(UserWarning, match=r"step_00000001 is kept past keep=1: .*\['notes.txt'\]"):
+        mgr.save(2, _params(2.0))
+    assert mgr.all_steps() == [1, 2] and (mgr.step_dir(1) / "notes.txt").read_text() == "mine\n"
+
+
 def test_a_symlink_and_a_file_are_refused_with_the_reason(tmp_path):
     real = tmp_path / "real"
     fpipe.save(real, _params())

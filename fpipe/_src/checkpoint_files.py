@@ -79,6 +79,13 @@ def manifest_of(d: Path) -> dict[str, Any] | None:
     return data if ok else None
 
 
+def foreign_entries(d: Path, manifest: dict[str, Any]) -> list[str]:
+    """The entries of checkpoint directory `d` that fpipe did not write (a user's files dropped in
+    beside the checkpoint's): neither the manifest, the saving mark, nor a file the manifest lists."""
+    ours = {MANIFEST, MARK} | {str(rel).split("/", 1)[0] for rel in manifest.get("files", {})}
+    return sorted(p.name for p in d.iterdir() if p.name not in ours)
+
+
 def _ours(d: Path) -> bool:
     return not d.is_symlink() and d.is_dir() and (manifest_of(d) is not None or (d / MARK).is_file())
 
@@ -87,13 +94,16 @@ def _ours(d: Path) -> bool:
 def refuse_foreign(call: str, path: Path) -> None:
     """`path` must be absent, an empty directory, or an fpipe checkpoint (NOTE above)."""
     why = None
+    manifest = manifest_of(path) if path.is_dir() and not path.is_symlink() else None
     if path.is_symlink():
         why = f"is a symbolic link (to {os.readlink(path)}); pass the directory it points to"
     elif path.exists() and not path.is_dir():
         why = "is a file"
-    elif path.is_dir() and any(path.iterdir()) and manifest_of(path) is None:
+    elif path.is_dir() and any(path.iterdir()) and manifest is None:
         shown = sorted(p.name for p in path.iterdir())[:5]
         why = f"is a directory that is not an fpipe checkpoint (it holds {shown})"
+    elif path.is_dir() and manifest is not None and (extra := foreign_entries(path, manifest)):
+        why = f"is an fpipe checkpoint that also holds files fpipe did not write ({extra[:5]})"
     if why is not None:
         raise ValueError(
             f"{call}: {path} {why}. A save replaces the directory at its path whole, so fpipe "

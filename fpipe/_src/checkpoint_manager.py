@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -176,6 +177,13 @@ class CheckpointManager:
         steps = self.all_steps()
         for step in steps[: -self.keep]:
             folder = self.step_dir(step)
+            if extra := files.foreign_entries(folder, files.manifest_of(folder) or {}):
+                warnings.warn(
+                    f"CheckpointManager: {folder} is kept past keep={self.keep}: it also holds "
+                    f"files fpipe did not write ({extra[:5]}); move them away to let it go.",
+                    stacklevel=3,
+                )
+                continue
             gone = folder.with_name(f".{folder.name}.deleting")
             folder.rename(gone)
             shutil.rmtree(gone)

@@ -266,7 +266,7 @@ def _start(call: str, path: Any, args: dict[str, Any], stage: bool) -> Job:
     try:
         bufs = buffers_of(call, args["buffers"], pipeline)
         tensors, index = _collect(call, args["params"], args["optimizer"], bufs, args["extra"], lay, stage)
-    except (TypeError, ValueError) as err:
+    except Exception as err:  # any failure here (a bad argument, memory for a staging copy): every rank hears
         _agree(call, group, err)
         raise
     _agree(call, group, None)

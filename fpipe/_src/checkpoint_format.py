@@ -191,10 +191,6 @@ class Mapped:
         return raw.view(dtype).reshape(h["shape"])
 
 
-def dtype_of(h: dict[str, Any]) -> torch.dtype:
-    return _NAMES[h["dtype"]]
-
-
 def sha256_file(path: Any) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:

@@ -4,7 +4,7 @@
 A pipeline computes a scalar output once per microbatch and combines the M values. The combination
 that reproduces the unsplit function depends on how the function reduces its batch: a mean over
 the batch (`F.cross_entropy`, `x.mean()`) is the mean of the microbatch means; a sum
-(`x.sum()`, `reduction="sum"`) is their sum. `batch_reduction` reads that off the traced forward
+(`x.sum()`, `reduction="sum"`) is their sum. `read_outputs` reads that off the traced forward
 graph by following where the batch lives in each value (the split axis of each data input, through
 views, transposes, pointwise ops, matrix products, attention, splits and concatenations, masked
 writes, and tensor-parallel collectives) to the operation that reduces it:
@@ -65,7 +65,7 @@ from .batch_moves import (
 from .marker import BOUNDARY, BOUNDARY_BWD
 from .tp_collectives import tp_all_gather, tp_all_reduce, tp_broadcast, tp_reduce_scatter
 
-__all__ = ["Reading", "batch_reduction", "read_outputs"]
+__all__ = ["Reading", "read_outputs"]
 
 aten = torch.ops.aten
 
@@ -374,7 +374,7 @@ class Reading:
     interaction: tuple[fx.Node, fx.Node] | None
 
     def kind(self, i: int) -> str | None:
-        """Output `i`'s reduction: "mean", "sum", "mixed", "divided" (`batch_reduction`),
+        """Output `i`'s reduction: "mean", "sum", "mixed", "divided" (a sum divided by a count it reduced),
         "constant" (it does not depend on the batch), or None (not followed)."""
         s = self.states[i]
         if isinstance(s, _Reduced):
@@ -398,13 +398,3 @@ def read_outputs(gm: fx.GraphModule, data_axes: dict[int, int]) -> Reading:
         [analysis.pooled.get(o) if isinstance(o, fx.Node) else None for o in outs],
         analysis.interaction,
     )
-
-
-def batch_reduction(gm: fx.GraphModule, data_axes: dict[int, int], out_index: int) -> str | None:
-    """How output `out_index` (a scalar) of the forward graph `gm` reduces the batch: "mean",
-    "sum", "mixed", None (not followed, or not depending on the batch), or "divided": a mean
-    only because a sum is divided by a number equal to a count it reduced -- `x.sum() /
-    x.shape[0]`, or a constant that happens to equal it; the caller tells them apart by tracing
-    at another batch size (a count changes with it, a constant does not)."""
-    kind = read_outputs(gm, data_axes).kind(out_index)
-    return None if kind == "constant" else kind

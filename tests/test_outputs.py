@@ -216,3 +216,19 @@ def test_a_sum_loss_after_an_eval_mode_batchnorm_is_summed():
 
     got = fpipe.value_and_grad(fpipe.pipeline(f, microbatches=4))(params, x)
     assert_trees_close(got, torch.func.grad_and_value(f)(params, x)[::-1])
+
+
+def test_an_unbind_beside_the_batch_keeps_it_readable():
+    """`q, k, v = qkv.unbind(2)` (as attention in bf16 traces on CPU) keeps the batch in each
+    piece: a sum loss after it is read as a sum, without a warning (it was unreadable: averaged,
+    with the warning, once the warning held in every mode)."""
+    g = torch.Generator().manual_seed(0)
+    p = {"w": torch.randn(4, 12, generator=g, dtype=torch.float64)}
+    x = torch.randn(8, 4, generator=g, dtype=torch.float64)
+
+    def g_(p, x):
+        a, b, c = (x @ p["w"]).view(x.shape[0], 3, 4).unbind(1)
+        return (a * b + c).sum()
+
+    got = fpipe.value_and_grad(fpipe.pipeline(g_, microbatches=2))(p, x)
+    assert_trees_close(got, torch.func.grad_and_value(g_)(p, x)[::-1])

@@ -88,9 +88,20 @@ def masked_write(node: fx.Node, states: list[Any]) -> bool:
     return bool(same and states[-1] is None and len(set(states[:-1])) == 1)
 
 
-def split_dim(node: fx.Node) -> int:
+def split_dim(node: fx.Node, at: int = 2) -> int:
+    """The dim argument of a split (`at` 2) or an unbind (`at` 1)."""
     args = args_of(node)
-    return int(args[2]) if len(args) > 2 else int(node.kwargs.get("dim", 0))  # type: ignore[arg-type]
+    return int(args[at]) if len(args) > at else int(node.kwargs.get("dim", 0))  # type: ignore[arg-type]
+
+
+def unbound(b: Any, whole: Any, dim: int) -> Any:
+    """Each piece of an unbind along `dim`: the batch, one dim lower if it lived after `dim`;
+    unknown if the unbind takes the batch's own dim apart (or the shape is unknown)."""
+    if not isinstance(b, Batch):
+        return UNKNOWN if b is not None else None
+    if whole is None or dim % len(whole) == b.dim:
+        return UNKNOWN
+    return Batch(b.dim - (b.dim > dim % len(whole)), b.inner, b.size)
 
 
 def piece(b: Batch, whole: Any, piece: Any, dim: int) -> Any:

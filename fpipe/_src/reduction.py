@@ -61,6 +61,7 @@ from .batch_moves import (
     shape_of,
     split_dim,
     target_of,
+    unbound,
 )
 from .marker import BOUNDARY, BOUNDARY_BWD
 from .tp_collectives import tp_all_gather, tp_all_reduce, tp_broadcast, tp_reduce_scatter
@@ -205,6 +206,8 @@ class _Analysis:
         s = self.of(parent)
         if isinstance(parent, fx.Node) and parent.target in _SPLITS and isinstance(s, Batch):
             return piece(s, shape_of(parent.args[0]), shape_of(node), split_dim(parent))
+        if isinstance(parent, fx.Node) and parent.target is aten.unbind.int:
+            return s
         if isinstance(s, Batch) and i != 0:  # a dropout mask, a norm's statistics: not followed
             return UNKNOWN
         return s
@@ -261,6 +264,8 @@ class _Analysis:
             return gathered(node, [self.of(a) for a in node.all_input_nodes])
         if t in _SPLITS:  # the pieces: `_getitem` / `piece`
             return self.of(args[0]) if isinstance(self.of(args[0]), Batch) else UNKNOWN
+        if t is aten.unbind.int:  # `q, k, v = qkv.unbind(2)`: each piece keeps the batch (`_getitem`)
+            return unbound(self.of(args[0]), shape_of(args[0]), split_dim(node, 1))
         if t is aten.index_put.default and masked_write(node, states):
             return states[0]  # `x[mask] = v`, a boolean mask of x's layout: pointwise
         if t in _ATTENTION:  # each example attends within itself: q, k, v share the batch in dim 0

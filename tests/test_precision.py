@@ -224,3 +224,12 @@ def test_the_memory_prediction_counts_bf16_gradient_sums_in_fp32():
     p, x, y, _ = setup()
     report = fpipe.pipeline(mlp, microbatches=4).memory_report(p, x, y)
     assert sum(s.grads for s in report.stages) == sum(v.numel() * 4 for v in p.values())
+
+
+def test_the_memory_prediction_counts_sums_in_the_policys_accum_dtype():
+    """With `Precision(accum_dtype=torch.float64)` the runner holds the sums in float64, and the
+    prediction (what `memory_limit` and the recomputation choice rest on) counts them so."""
+    p, x, y, _ = setup()
+    prec = fpipe.Precision(accum_dtype=torch.float64)
+    report = fpipe.pipeline(mlp, microbatches=4, precision=prec).memory_report(p, x, y)
+    assert sum(s.grads for s in report.stages) == sum(v.numel() * 8 for v in p.values())

@@ -151,7 +151,7 @@ class Pipelined:
 
     def _memory(self, params: Any, args: Args, kwargs: Kwargs) -> memory_.MemoryReport:
         inp, _, c = self._get(params, args, kwargs, (0,), None)  # None: aux or not, as f returns
-        return memory_.predict_plan(c, inp, self.cfg.microbatches)
+        return memory_.predict_plan(c, inp, self.cfg.microbatches, self.cfg.precision)
 
     # -- what this rank holds -------------------------------------------------------------------
     @property

@@ -182,7 +182,7 @@ class Compiler:
         mine = [s for s in range(base.n_stages) if rank is None or sched.stage_rank[s] == rank]
 
         def predicted(st: Staged) -> Any:
-            return predict(st, self._runner(st, sched), summed, self.cfg.microbatches)
+            return predict(st, self._runner(st, sched), summed, self.cfg.microbatches, self.cfg.precision)
 
         return choose(self.cfg.call, base, self.cfg.memory_limit, predicted, mine)
 

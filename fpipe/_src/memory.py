@@ -32,8 +32,8 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
+from . import precision as precision_
 from .memory_graph import Profile, profile
-from .precision import DEFAULT
 from .run import accumulating, action_place
 from .run_dist import EMULATE_NCCL_ORDER
 from .schedule_data import Action
@@ -41,7 +41,6 @@ from .staged import Program, Staged
 
 __all__ = ["MemoryReport", "StageMemory", "predict", "predict_plan"]
 
-WIDEN = DEFAULT.widen  # the runner's sums: fp32 for narrower gradients (NOTE [precision policy])
 
 Key = tuple[Any, ...]  # one storage the runner holds
 
@@ -143,8 +142,11 @@ class _Account:
 class _Replay:
     """One replay of a rank's (or the process's) actions; see NOTE [predicting memory]."""
 
-    def __init__(self, staged: Staged, runner: Any, summed: frozenset[int], n_mb: int) -> None:
+    def __init__(
+        self, staged: Staged, runner: Any, summed: frozenset[int], n_mb: int, precision: Any = None
+    ) -> None:
         self.st, self.runner, self.summed, self.n_mb = staged, runner, summed, n_mb
+        self.widen = precision_.of(precision).widen  # the runner's sums (NOTE [precision policy])
         self.acc = _Account()
         self.env: dict[tuple[int, str], list[Key | None]] = {}
         local = runner.local_refs if hasattr(runner, "local_refs") else runner.refcount
@@ -167,7 +169,7 @@ class _Replay:
         outs_of = self.runner._out_index.get(prog.place, ())
         own = {n: i for i, n, only in outs_of if only and i in self.summed}
         if self.n_mb > 1 and own:
-            gm, sums_like = accumulating(prog, tuple(own), WIDEN)
+            gm, sums_like = accumulating(prog, tuple(own), self.widen)
             if gm is not None:
                 return gm, {own[n]: like for n, like in sums_like}
         return prog.gm, {}
@@ -177,7 +179,7 @@ class _Replay:
         for i, like in fused.items():  # `Results.running_sum`: zeros at the first writer
             if i not in self.sums:
                 self.sums[i] = (("sum", i), True)
-                self.acc.hold(("sum", i), 1, like.numel() * WIDEN(like.dtype).itemsize, a.stage)
+                self.acc.hold(("sum", i), 1, like.numel() * self.widen(like.dtype).itemsize, a.stage)
         pr = _profile(gm)
         self.transient[a.stage] = max(self.transient.get(a.stage, 0), pr.peak)
         self.observe(str(a), a.stage, pr.peak)
@@ -279,11 +281,14 @@ def _numel(shape: Iterable[int]) -> int:
     return n
 
 
-def predict(staged: Staged, runner: Any, summed: frozenset[int], n_mb: int) -> MemoryReport:
+def predict(
+    staged: Staged, runner: Any, summed: frozenset[int], n_mb: int, precision: Any = None
+) -> MemoryReport:
     """The predicted memory of one value-and-grad step of `runner` (NOTE [predicting memory]):
     a `LocalRunner` replays every stage, a `DistRunner` its rank's. `summed`: the step outputs
-    summed over microbatches (parameter gradients)."""
-    rp = _Replay(staged, runner, summed, n_mb)
+    summed over microbatches (parameter gradients); `precision`: the pipeline's `Precision`
+    (the dtype its gradient sums are held in)."""
+    rp = _Replay(staged, runner, summed, n_mb, precision)
     if hasattr(runner, "plan"):
         _replay_rank(rp)
     else:
@@ -362,9 +367,9 @@ def _bytes(st: Staged, name: str) -> int:
     return dtype.itemsize * _numel(shape)
 
 
-def predict_plan(c: Any, inp: Any, n_mb: int) -> MemoryReport:
+def predict_plan(c: Any, inp: Any, n_mb: int, precision: Any = None) -> MemoryReport:
     """`predict` for a compiled plan (`compiler.Compiled`) and the call's `inputs.Inputs`: the
     gradients summed over microbatches are those of inputs passed whole (`execute.execute`)."""
     st = c.staged
     summed = frozenset(st.n_outs + j for j, pos in enumerate(c.diff) if inp.axis_of(pos) is None)
-    return predict(st, c.runner, summed, n_mb)
+    return predict(st, c.runner, summed, n_mb, precision)

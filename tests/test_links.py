@@ -1,7 +1,8 @@
 """Every relative link in README.md and docs/**/*.md resolves: to a file of the repository, and,
 where it names an anchor (`page.md#a-heading`), to a heading of that page (GitHub's slugs). Links
 inside code (fenced blocks, `inline code`) are not links; `http(s):` and `mailto:` ones are not
-checked (nothing is fetched)."""
+checked (nothing is fetched). And every test a page names as the guard of a claim
+(`test_...`) exists in tests/, wherever it moves."""
 
 from __future__ import annotations
 
@@ -59,6 +60,21 @@ def broken(page: Path) -> list[str]:
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_relative_link_resolves(page: Path) -> None:
     assert broken(page) == []
+
+
+def test_every_test_a_page_names_exists() -> None:
+    """A name such as `test_a_limit_is_met_with_exact_gradients` (not a file, `test_x.py`, nor a
+    prefix, `test_on_ranks_...`) is a function defined under tests/."""
+    defined = set()
+    for path in (ROOT / "tests").rglob("*.py"):
+        defined |= set(re.findall(r"^\s*def (test_\w+)", path.read_text(), flags=re.M))
+    named = {
+        (str(page.relative_to(ROOT)), name)
+        for page in PAGES
+        for name in re.findall(r"\b(test_\w+)\b(?!\.py|\.\.\.)", page.read_text())
+        if not name.endswith("_")
+    }
+    assert sorted(n for n in named if n[1] not in defined) == []
 
 
 def test_the_checker_finds_a_missing_file_and_a_missing_heading(tmp_path: Path) -> None:

@@ -218,7 +218,7 @@ def elementwise() -> Case:
 
 
 def planned() -> dict[str, Any]:
-    """`fpipe.plan` as the README calls it, under torchrun before any process group, and
+    """`fpipe.plan` as docs/guide/planning.md calls it, under torchrun before any process group, and
     `pipeline(f, plan=p)`'s step against `torch.func` of the unsplit function (float64); then
     the plan under the least limit a candidate's predicted peak meets, its chosen layout's step
     measured: resident-set growth plus this rank's parameters and their AdamW state (2x), which
@@ -226,7 +226,7 @@ def planned() -> dict[str, Any]:
     from fpipe._src.remat_choose import least_limit
 
     loss_fn, params, (tokens, targets) = elementwise()
-    plan = fpipe.plan(loss_fn, params, tokens, targets, world_size=2)  # the README's call
+    plan = fpipe.plan(loss_fn, params, tokens, targets, world_size=2)  # docs/guide/planning.md's call
     out: dict[str, Any] = {"group": dist.is_initialized(), "verified": plan.verified}
     out["layout"] = [plan.layout, plan.stages, list(plan.cuts)]
     loss, grads = _plan_step(loss_fn, plan, params, tokens, targets)

@@ -139,7 +139,7 @@ def test_a_buffer_written_in_place_under_a_limit_on_two_ranks(measured_ranks, ca
 
 
 def test_plan_under_torchrun_starts_the_group_so_every_rank_plans_alike(measured_ranks):
-    """Issue 24, case 7b: `fpipe.plan(f, params, x, y, world_size=2)` as the README writes it,
+    """Issue 24, case 7b: `fpipe.plan(f, params, x, y, world_size=2)` as docs/guide/planning.md writes it,
     under torchrun with no process group started: each rank planned alone (different stages),
     and `pipeline(f, plan=p)` failed saying the ranks staged different programs. `plan` starts
     the group as `pipeline` does; the ranks plan together (verified on the job) and alike, and

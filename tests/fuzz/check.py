@@ -1,5 +1,5 @@
 """Run one example and compare it with its reference: the unsplit function under `torch.func`
-in float64, microbatch by microbatch as the contract defines it (README, "The contract": the
+in float64, microbatch by microbatch as the contract defines it (docs/guide/contract.md, "The contract": the
 mean of per-microbatch means, buffers updated once per microbatch in order), or, for programs
 with dropout, fpipe itself on one stage with no limit (fpipe's masks are its own: NOTE
 [random-number policy] in fpipe/_src/rng.py).
@@ -206,7 +206,7 @@ def make_pipeline(ex: Example, b: Built, mesh: Any = None, limit: int | None = N
 def out_axes(ex: Example) -> Any:
     """How each output combines over microbatches, as the reference combines it. Passed only
     where the batch interacts (BatchNorm in training mode): there fpipe documents that it cannot
-    read a scalar's reduction and averages it (README, "The contract"); elsewhere it must read
+    read a scalar's reduction and averages it (docs/guide/contract.md, "The contract"); elsewhere it must read
     each one itself."""
     loss = ex.loss
     if not ex.aux:

@@ -10,8 +10,21 @@ stage 0, which feeds it at the next step of the same microbatch. So with m micro
 flight, stage s works on microbatch i while stage s+1 works on i-1, and stage 0 can start
 microbatch i's next token as soon as it comes back: with m >= stages no stage waits in the
 steady state (vLLM's rule: pp batches in flight fill the pipeline). In one process the stages
-run in order at each (step, microbatch). Every wait is failure-aware (`PPGroup.wait_all`): a
-rank that fails reports where, and every other rank stops naming it.
+run in order at each (step, microbatch). Under torchrun a rank may hold several stages, and
+every rank walks its operations in one global order (NOTE [several stages per rank] in
+decode_walk.py). Every wait is failure-aware (`PPGroup.wait_all`): a rank that fails reports
+where, and every other rank stops naming it.
+
+# NOTE [ranks stop together]
+transformers stops when every sequence has ended; a finished sequence gets the pad token until
+then. Under torchrun stage 0 has each microbatch's tokens as they come back, so it knows when
+every sequence of microbatch i has ended (an EOS in each row). It then does not feed (t, i):
+its operation sends a stop flag on in place of the values (the flag is one more tensor in every
+message between stages, 0 while running), every later stage passes the flag on instead of
+running, the last stage sends no token, and each stage skips microbatch i from then on. The
+pad tokens those steps would have given are filled in on stage 0; when every microbatch has
+stopped no stage runs again. No collective is added per step: the flag rides on the messages
+each operation sends anyway.
 """
 
 from __future__ import annotations

@@ -64,10 +64,12 @@ def generate(
     generator seeded by (`seed`, its row), so a seed gives the same tokens at any stage count
     and any number of microbatches.
 
-    Under torchrun each rank runs one stage (`stages` defaults to the number of ranks), holds
-    only its layers' K/V buffers, and gets the full sequences; pass the same arguments on every
-    rank. With `microbatches=m` the batch is cut into m groups of rows that are in flight at
-    once: stage s decodes group i while stage s+1 decodes group i-1.
+    Under torchrun each rank runs `stages / ranks` stages (stage s on rank s mod ranks; one per
+    rank by default), holds only its layers' K/V buffers, and gets the full sequences; pass the
+    same arguments on every rank. With `microbatches=m` the batch is cut into m groups of rows
+    that are in flight at once: stage s decodes group i while stage s+1 decodes group i-1. A
+    group whose sequences have all ended stops on every rank. A model built on the meta
+    device is loaded from `weights`, each rank reading only what its stages read.
 
     Args:
         model: a transformers causal LM (`...ForCausalLM`) in eval mode, full attention.
@@ -88,6 +90,9 @@ def generate(
             gets the prompt, then each step's new tokens `[batch]`, then `end()` is called. Under
             torchrun only rank 0's streamer is called (rank 0 has each step's tokens first);
             another rank's gets no call at all.
+        weights: for a model built on the meta device: a `save_pretrained` folder or an
+            `fpipe.save` checkpoint; each rank materialises and reads only the parameters and
+            buffers its stages read (NOTE [stage-local weights], docs/GENERATION.md).
 
     Returns:
         `[batch, prompt + n]` long tensor: the prompts and the n <= max_new_tokens new tokens.

@@ -297,7 +297,7 @@ def _layers_of(names: list[str]) -> set[int]:
 
 
 def test_stage_local_weights_fit_a_model_bigger_than_a_ranks_limit(on_ranks):
-    """The fit test: a meta Llama (8 blocks, tied embeddings, 252 MB in fp64) generates from a
+    """The fit test: a meta Llama (4 blocks, tied embeddings, 283 MB in fp64) generates from a
     save_pretrained folder on two 2-rank pipelines (the (dp=2, pp=2) mesh) with the tokens of
     the unsplit model.generate; each rank materialises only its stage's blocks (and the tied
     embedding where the first or last stage is, the final norm on the last), and its peak

@@ -16,8 +16,10 @@ Per rank, in this order:
 Reported per rank: the tensors the model holds (count and MB of its non-meta parameters and
 buffers) and the peak resident growth of the process over the mode (VmHWM after, less VmRSS
 before, freed heap returned with malloc_trim and the peak reset through /proc/self/clear_refs
-first): the traces, the weights, the cache and the activations. The two modes' tokens are
-checked equal.
+first; after one small generation, so that first-call imports do not count): the traces, the
+weights, the cache and the activations; and at marks: the growth as the load starts and ends,
+and the anonymous and file-backed (memory-mapped) resident growth at the end. The two modes'
+tokens are checked equal.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 import fpipe
+from fpipe._src import generate as generate_module
 from fpipe._src.stage_weights import resident_bytes
 
 
@@ -59,14 +62,46 @@ def fresh() -> int:
     return status("VmRSS")
 
 
+MARKS: dict[str, int] = {}
+
+
+def _marking() -> None:
+    """Record the resident bytes as the stage weights' load starts and ends (after the traces)."""
+    load = generate_module.load_stage_weights
+
+    def loading(*args: Any) -> None:
+        MARKS["before load"] = status("VmRSS")
+        load(*args)
+        MARKS["after load"] = status("VmHWM")
+
+    generate_module.load_stage_weights = loading
+
+
 def measure(make: Any, ids: torch.Tensor, args: argparse.Namespace, **kw: Any) -> tuple[Any, ...]:
+    MARKS.clear()
     base = fresh()
+    anon, file = status("RssAnon"), status("RssFile")
     model = make()
     out = fpipe.generate(model, ids, max_new_tokens=args.new, microbatches=2, stages=args.stages, **kw)
     count, nbytes = resident_bytes(model)
     growth = status("VmHWM") - base
+    MARKS["anonymous at the end"] = status("RssAnon") - anon + base
+    MARKS["file-backed at the end"] = status("RssFile") - file + base
     del model
-    return out, count, nbytes, growth
+    marks = "; ".join(f"{k} {(v - base) / 1e6:.1f}" for k, v in MARKS.items())
+    return out, count, nbytes, growth, marks
+
+
+def warm_up(cfg: Any, stages: int) -> None:
+    """One small generation first: the imports and code paths of a first call (tens of MB of
+    modules on a rank that has not run them) do not count in the measured growth."""
+    import safetensors.torch  # noqa: F401
+    import transformers
+
+    small = transformers.LlamaConfig(**{**cfg.to_dict(), "num_hidden_layers": stages, "hidden_size": 64,
+                                        "intermediate_size": 128})  # fmt: skip
+    model = transformers.LlamaForCausalLM(small).eval()
+    fpipe.generate(model, torch.ones(2, 4, dtype=torch.long), max_new_tokens=2, microbatches=2, stages=stages)
 
 
 def main() -> None:
@@ -97,8 +132,15 @@ def main() -> None:
         with torch.device("meta"):
             return transformers.LlamaForCausalLM(cfg).eval()
 
+    warm_up(cfg, args.stages or dist.get_world_size())
+    _marking()
     rows = [("stage-local", *measure(on_meta, ids, args, weights=folder))]
-    rows.append(("whole model", *measure(lambda: transformers.LlamaForCausalLM.from_pretrained(folder).eval(), ids, args)))
+    rows.append(
+        (
+            "whole model",
+            *measure(lambda: transformers.LlamaForCausalLM.from_pretrained(folder).eval(), ids, args),
+        )
+    )
     assert torch.equal(rows[0][1], rows[1][1]), "the two modes' tokens differ"
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, [r[:1] + r[2:] for r in rows])
@@ -107,11 +149,11 @@ def main() -> None:
         shutil.rmtree(folder)
         whole = sum(p.numel() * 4 for p in on_meta().parameters())
         print(f"model: {whole / 1e6:.1f} MB of weights (fp32); stages={args.stages or dist.get_world_size()}")
-        print("| mode | rank | tensors held | MB held | peak resident growth MB |")
-        print("|---|---|---|---|---|")
+        print("| mode | rank | tensors held | MB held | peak resident growth MB | growth at marks MB |")
+        print("|---|---|---|---|---|---|")
         for r, got in enumerate(every):
-            for mode, count, nbytes, growth in got:
-                print(f"| {mode} | {r} | {count} | {nbytes / 1e6:.1f} | {growth / 1e6:.1f} |")
+            for mode, count, nbytes, growth, marks in got:
+                print(f"| {mode} | {r} | {count} | {nbytes / 1e6:.1f} | {growth / 1e6:.1f} | {marks} |")
     dist.destroy_process_group()
 
 

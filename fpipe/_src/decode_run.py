@@ -262,14 +262,14 @@ class _Rank:
             done = [live[i] or self.stopped.get((0, i), t + 1) <= t for i in range(m)]
             if t >= self.feed.steps or not all(done) or not any(live):
                 return
-            pad = torch.full((self.feed.rows, 1), self._pad(), dtype=torch.long, device=self.pg.device)
-            row = [self.got.get((t, i), pad) for i in range(m)]
+            row = [self.got[t, i] if live[i] else self._pad() for i in range(m)]
             self.reported.append(row)
             self.on_step(t, row)
 
-    def _pad(self) -> int:
-        assert self.ends is not None and self.ends[1] is not None  # a microbatch stops at EOS only
-        return int(self.ends[1])
+    def _pad(self) -> torch.Tensor:
+        """A stopped microbatch's tokens: the pad (it stops at EOS only, so there is a pad id)."""
+        assert self.ends is not None and self.ends[1] is not None
+        return torch.full((self.feed.rows, 1), int(self.ends[1]), dtype=torch.long, device=self.pg.device)
 
     def _receive(self, progs: Programs, env: dict[str, Any], step: int, mb: int, stage: int) -> bool:
         """Every value `stage` reads from earlier stages into `env`; True if they carry the stop."""

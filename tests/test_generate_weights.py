@@ -1,6 +1,7 @@
 """`fpipe.generate(model_on_meta, ..., weights=path)`: a model built on the meta device gets only
 the tensors its stages read, from a `save_pretrained` folder or an `fpipe.save` checkpoint
-(NOTE [stage-local weights]). One process here (every stage is this process's, so every tensor is
+(NOTE [stage-local weights]); and the order ranks walk their stages in (NOTE [several stages
+per rank]), simulated. One process here (every stage is this process's, so every tensor is
 loaded); the per-rank share, several stages per rank and the fit test run on ranks
 (tests/test_generate_cache.py). Tiny Llamas in float64, compared with the unsplit
 `model.generate(..., do_sample=False)` of the model the weights were saved from."""
@@ -118,3 +119,34 @@ def test_safetensors_are_read_straight_into_the_parameters(tmp_path):
     hf.read_whole("t", hf.safetensors_index("t", Path(tmp_path)), params)
     for n, p in model.named_parameters():
         assert torch.equal(params[n], p.detach().to(params[n].dtype)), n
+
+
+@pytest.mark.parametrize(
+    ("steps", "microbatches", "stages", "ranks"),
+    [(3, 1, 4, 2), (4, 2, 4, 2), (3, 4, 4, 2), (5, 3, 6, 3), (2, 2, 2, 2), (3, 5, 6, 2)],
+)
+def test_the_walk_order_never_waits_on_a_waiting_peer(steps, microbatches, stages, ranks):
+    """NOTE [several stages per rank]: each rank blocks on its operations' inputs in its order;
+    simulated, every rank finishes (no two ranks wait on each other), and each stage takes its
+    (step, microbatch)s in order (so a stage pair's channel is first in, first out)."""
+    from fpipe._src.decode_walk import walk_order
+
+    orders = [walk_order(steps, microbatches, stages, list(range(r, stages, ranks))) for r in range(ranks)]
+    done: set[tuple[int, int, int]] = set()
+
+    def ready(t: int, i: int, s: int) -> bool:
+        return (t, i, s - 1) in done if s else t == 0 or (t - 1, i, stages - 1) in done
+
+    heads = [0] * ranks
+    while any(h < len(o) for h, o in zip(heads, orders)):
+        moved = False
+        for r, order in enumerate(orders):
+            while heads[r] < len(order) and ready(*order[heads[r]]):
+                done.add(order[heads[r]])
+                heads[r], moved = heads[r] + 1, True
+        assert moved, f"deadlock: rank heads {[o[h] for h, o in zip(heads, orders) if h < len(o)]}"
+    for s in range(stages):
+        mine = [(t, i) for t, i, st in orders[s % ranks] if st == s]
+        assert mine == sorted(mine)
+    expected = steps * microbatches * stages + microbatches  # every operation, the last receives
+    assert sum(map(len, orders)) == expected

@@ -15,7 +15,10 @@ per sequence; a seeded sampled generation; then Phi-3 with long rope (refused on
 one token (`values_differ`) (the test compares them with the unsplit
 `model.generate` and the one-process sampled result); and what this rank did -- the stages whose programs it ran, the operations
 they executed, the decoder layers whose K/V buffers it allocated -- and, on rank 0, the
-streamer's calls. It writes `DIR/rank{R}.json`. A case that raises ends the process (its peers then stop naming it,
+streamer's calls. Then (issue 28) on the llama: ranks stopping when every sequence ended
+(`stop-pp{2,4}`); stage-local weights from save_pretrained folders rank 0 writes into DIR
+(`stage_local`: the fit model at 2 stages, its resident growth measured; the small Llama at
+stages=4 on 2 ranks); a stage count that is not a multiple of the ranks (`stage_counts`). It writes `DIR/rank{R}.json`. A case that raises ends the process (its peers then stop naming it,
 NOTE [failures never hang]), and the test shows the output.
 """
 
@@ -145,6 +148,127 @@ def case(model: torch.nn.Module, share: Share, mesh: Any) -> dict[str, Any]:
     return res
 
 
+# -- stage-local weights, several stages per rank, early stop (issue 28) ---------------------------
+FIT_LAYERS, FIT_LIMIT = 4, 0.6  # the fit test: each rank's resident growth under 60 % of the model
+
+
+def fit_model(meta: bool) -> torch.nn.Module:
+    """A Llama with tied embeddings whose weights (4 blocks, hidden 768, fp64: 283 MB) dwarf
+    what a rank allocates besides (its traces: ~10 MB); on the meta device, or with
+    deterministic weights (`_spread`: transformers' initialisation took 10 s) and the rotary
+    module built from the config (not by the `_init_weights` that stage-local loading uses)."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        num_hidden_layers=FIT_LAYERS, hidden_size=768, intermediate_size=3072, num_attention_heads=8,
+        num_key_value_heads=4, max_position_embeddings=32, vocab_size=VOCAB, bos_token_id=None,
+        eos_token_id=None, pad_token_id=0, tie_word_embeddings=True,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg).to(DT).eval()
+    if meta:
+        return model
+    model.to_empty(device="cpu")
+    model.lm_head.weight = model.model.embed_tokens.weight  # (to_empty unties them)
+    with torch.no_grad():
+        for k, (name, p) in enumerate(model.named_parameters()):
+            p.copy_(_spread(p.numel(), k).view_as(p)).add_(1.0 if name.endswith("norm.weight") else 0.0)
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=cfg).to(DT)
+    return model
+
+
+def _spread(n: int, k: int) -> torch.Tensor:
+    """n values in [-0.1, 0.1] that look random to a matmul (a sine at an irrational step:
+    vectorised, far cheaper than drawing 35 M numbers)."""
+    return 0.1 * torch.sin(torch.arange(n, dtype=DT) * 0.7548776662 + 1.3 * k)
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
+
+
+def _fresh_peak() -> int:
+    """This process's resident bytes now, with freed heap returned to the system and the peak
+    (VmHWM) reset to it, so that VmHWM later is the peak since this call."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status("VmRSS")
+
+
+def stage_local(out: str, mesh: Any, share: Share) -> dict[str, Any]:
+    """On 2-rank pipelines, from save_pretrained folders (rank 0 writes them first): the fit model
+    at one stage per rank, its resident growth measured; the small Llama at stages=4."""
+    import torch.distributed as dist
+
+    from fpipe._src import generate as generate_module
+    from fpipe._src.stage_weights import resident_bytes
+
+    if dist.get_rank() == 0:
+        fit_model(meta=False).save_pretrained(f"{out}/fit_weights")
+        build("llama").save_pretrained(f"{out}/llama_weights")
+    dist.barrier()
+    traced = []  # the resident bytes as the load starts (after tracing)
+    load = generate_module.load_stage_weights
+
+    def loading(*args: Any) -> None:
+        traced.append(_status("VmRSS"))
+        load(*args)
+
+    generate_module.load_stage_weights = loading
+    ids, mask = prompt()
+    kw = dict(attention_mask=mask, max_new_tokens=NEW, microbatches=MICROBATCHES, mesh=mesh)
+    res: dict[str, Any] = {}
+    for name, model, stages in [("fit", fit_model(meta=True), 2), ("llama", _on_meta(build), 4)]:
+        base = _fresh_peak()
+        share.reset()
+        out_ids = fpipe.generate(model, ids, stages=stages, weights=f"{out}/{name}_weights", **kw)
+        res[name] = {
+            "tokens": out_ids.tolist(), "growth": _status("VmHWM") - base, "traced": traced[-1] - base,
+            "resident": resident_bytes(model), "runs": dict(share.stages),
+            "real": [n for n, p in model.named_parameters() if not p.is_meta],
+        }  # fmt: skip
+    generate_module.load_stage_weights = load
+    return res
+
+
+def _on_meta(make: Any) -> torch.nn.Module:
+    """`make("llama")`'s model built on the meta device (its config and dtype, no weights)."""
+    with torch.device("meta"):
+        return make("llama")
+
+
+def early_stop(model: torch.nn.Module, mesh: Any, share: Share) -> dict[str, Any]:
+    """Every row's first token ends it: each stage runs the prefill of each microbatch and stops."""
+    ids, mask = prompt()
+    eos = [int(t) for t in reference(model, ids, mask)[:, PROMPT]]
+    share.reset()
+    out = fpipe.generate(
+        model,
+        ids,
+        attention_mask=mask,
+        max_new_tokens=NEW,
+        microbatches=MICROBATCHES,
+        mesh=mesh,
+        eos_token_id=eos,
+    )
+    return {"tokens": out.tolist(), "eos": eos, "runs": dict(share.stages)}
+
+
+def stage_counts(model: torch.nn.Module, mesh: Any) -> str:
+    """stages=3 on a 2-rank pipeline: refused before anything is sent."""
+    try:
+        fpipe.generate(model, prompt()[0], max_new_tokens=2, stages=3, mesh=mesh)
+    except ValueError as err:
+        return str(err)
+    return "ran"
+
+
 def values_differ(model: torch.nn.Module, rank: int) -> str:
     """Rank 1 passes a prompt with one token changed (same shapes): every rank's error."""
     ids, mask = prompt()
@@ -165,8 +289,9 @@ def run(out: str) -> None:
     rank, results = dist.get_rank(), {}
     meshes = {4: None, 2: init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))}
     share = Share()
+    models = {}
     for name in FAMILIES:
-        model = build(name)  # one model per family: both layouts reuse its traced step
+        model = models[name] = build(name)  # one model per family: both layouts reuse its traced step
         for pp, mesh in meshes.items():
             results[f"{name}-pp{pp}"] = case(model, share, mesh)
     try:  # refused on ranks: it stalled there (docs/GENERATION.md)
@@ -175,6 +300,10 @@ def run(out: str) -> None:
     except ValueError as err:
         results["phi3_on_ranks"] = str(err)
     results["values_differ"] = values_differ(model, rank)
+    for pp, mesh in meshes.items():
+        results[f"stop-pp{pp}"] = early_stop(models["llama"], mesh, share)
+    results["stage_local"] = stage_local(out, meshes[2], share)
+    results["stage_counts"] = stage_counts(models["llama"], meshes[2])
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(results, f)
     dist.barrier()

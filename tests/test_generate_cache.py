@@ -24,6 +24,8 @@ transformers = pytest.importorskip("transformers")
 from generate_worker import (  # noqa: E402  (after the importorskip)
     FAILING_RANK,
     FAMILIES,
+    FIT_LAYERS,
+    FIT_LIMIT,
     LAYERS,
     MICROBATCHES,
     NEW,
@@ -32,6 +34,7 @@ from generate_worker import (  # noqa: E402  (after the importorskip)
     Recorder,
     build,
     eos_of,
+    fit_model,
     prompt,
     reference,
 )
@@ -286,3 +289,64 @@ def test_on_ranks_equals_generate_and_each_rank_does_its_share(on_ranks, pp, nam
         for rank in range(first + 1, first + pp):  # case 13: only the head's streamer is called
             assert on_ranks[rank][f"{name}-pp{pp}"]["streamer"] == [], (name, pp, rank)
         assert torch.equal(torch.tensor(streamed[1:-1]).T, torch.tensor(head["greedy"])[:, PROMPT:])
+
+
+# -- issue 28: stage-local weights, several stages per rank, early stop on ranks -------------------
+def _layers_of(names: list[str]) -> set[int]:
+    return {int(n.split(".")[2]) for n in names if n.startswith("model.layers.")}
+
+
+def test_stage_local_weights_fit_a_model_bigger_than_a_ranks_limit(on_ranks):
+    """The fit test: a meta Llama (4 blocks, tied embeddings, 283 MB in fp64) generates from a
+    save_pretrained folder on two 2-rank pipelines (the (dp=2, pp=2) mesh) with the tokens of
+    the unsplit model.generate; each rank materialises only its stage's blocks (and the tied
+    embedding where the first or last stage is, the final norm on the last), and its peak
+    resident growth over the whole call (VmHWM after, less VmRSS before: traces, weights, cache,
+    activations) stays under 60 % of the model's bytes."""
+    model = fit_model(meta=False)
+    whole = sum(p.nbytes for p in model.parameters())  # each tensor once (tied: one)
+    ids, mask = prompt()
+    expected = reference(model, ids, mask).tolist()
+    per_rank = FIT_LAYERS // 2
+    for rank in range(WORLD):
+        fit, stage = on_ranks[rank]["stage_local"]["fit"], rank % 2
+        assert fit["tokens"] == expected, rank
+        assert _layers_of(fit["real"]) == set(range(stage * per_rank, (stage + 1) * per_rank)), rank
+        ends = {"model.embed_tokens.weight"} | ({"model.norm.weight"} if stage else set())
+        assert {n for n in fit["real"] if not n.startswith("model.layers.")} == ends, rank
+        mine = sum(p.nbytes for n, p in model.named_parameters() if n in fit["real"])
+        assert mine <= fit["resident"][1] <= mine + 1024, (rank, fit["resident"], mine)  # + inv_freq
+        assert fit["growth"] < FIT_LIMIT * whole, (rank, fit["growth"], whole)
+    assert len(set(expected[0][PROMPT:])) > 2  # not a constant continuation
+
+
+def test_several_stages_per_rank_equal_generate(on_ranks):
+    """stages=4 on 2 ranks (from a save_pretrained folder): stage s on rank s mod 2, so each
+    rank holds blocks {r, r + 2} of the small Llama, runs both of its stages at every (step,
+    microbatch), and the tokens equal model.generate's."""
+    ids, mask = prompt()
+    expected = reference(model_of("llama"), ids, mask).tolist()
+    for rank in range(WORLD):
+        case, stage = on_ranks[rank]["stage_local"]["llama"], rank % 2
+        assert case["tokens"] == expected, rank
+        assert _layers_of(case["real"]) == {stage, stage + 2}, rank
+        assert case["runs"] == {str(stage): 2 * NEW, str(stage + 2): 2 * NEW}, rank
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_ranks_stop_when_every_sequence_ended(on_ranks, pp):
+    """Every row's first token is an EOS: model.generate stops after one token, and so does
+    every rank -- each stage runs the prefill of each microbatch and nothing after (16 runs
+    per stage without the stop); the stop rides on the values stage 0 sends on."""
+    ids, mask = prompt()
+    for rank in range(WORLD):
+        case = on_ranks[rank][f"stop-pp{pp}"]
+        expected = reference(model_of("llama"), ids, mask, eos_token_id=case["eos"])
+        assert case["tokens"] == expected.tolist() and expected.shape[1] == PROMPT + 1, rank
+        assert case["runs"] == {str(rank % pp): MICROBATCHES}, (rank, case["runs"])
+
+
+def test_stage_counts_on_ranks_are_checked(on_ranks):
+    for rank in range(WORLD):
+        err = on_ranks[rank]["stage_counts"]
+        assert "stages=3 is not a multiple of the pipeline's 2 ranks; pass stages=None" in err, err

@@ -108,9 +108,54 @@ def load_pretrained(
     bad = [f"{n!r} is {tuple(targets[n].shape)} here, {s} in the files" for n, s in shapes.items()
            if s != tuple(targets[n].shape)]  # fmt: skip
     mismatch(call, f"the safetensors files in {path}", [], [], bad)
+    whole = {n: t for n, t in targets.items() if not isinstance(t, DTensor)}
     with torch.no_grad():
-        read_safetensors(call, where, {n: _filler(t) for n, t in targets.items()})
+        read_whole(call, where, whole)
+        read_safetensors(call, where, {n: _filler(t) for n, t in targets.items() if n not in whole})
     return {}
+
+
+# the safetensors dtype names (https://github.com/huggingface/safetensors, format.md)
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}  # fmt: skip
+
+
+def read_whole(call: str, where: dict[str, Path], targets: dict[str, torch.Tensor]) -> None:
+    """Read each named tensor's bytes from its file straight into the target (plain reads, no
+    memory map: a map's pages would count in this process's resident memory while the file is
+    open, doubling a loading rank's peak); a dtype that differs goes through one temporary."""
+    by_file: dict[Path, list[str]] = {}
+    for n in targets:
+        by_file.setdefault(where[n], []).append(n)
+    for f, names in by_file.items():
+        with open(f, "rb") as fh:
+            size = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(size))
+            for n in names:
+                _read_one(call, f, fh, 8 + size, header[n], targets[n])
+
+
+def _read_one(call: str, f: Path, fh: Any, start: int, entry: dict[str, Any], t: torch.Tensor) -> None:
+    dtype = _DTYPES.get(entry["dtype"])
+    begin, end = entry["data_offsets"]
+    if dtype is None or end - begin != t.numel() * dtype.itemsize:
+        raise ValueError(
+            f"{call}: {f} holds {entry['dtype']} {entry['shape']} in {end - begin} bytes, which "
+            f"fpipe cannot read into {t.dtype} {tuple(t.shape)}; load it with from_pretrained."
+        )
+    dst = (
+        t
+        if t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu"
+        else torch.empty(t.shape, dtype=dtype)
+    )
+    fh.seek(start + begin)
+    if t.numel() and fh.readinto(dst.view(-1).view(torch.uint8).numpy()) != end - begin:
+        raise ValueError(f"{call}: {f} ends before the bytes of a tensor it lists; the file is truncated.")
+    if dst is not t:
+        t.copy_(dst)
 
 
 def _record_shape(shapes: dict[str, tuple[int, ...]], name: str) -> Any:

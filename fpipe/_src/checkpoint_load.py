@@ -28,7 +28,7 @@ from .checkpoint_files import CheckpointError
 from .checkpoint_job import wait_earlier
 from .outputs import local_inputs
 
-__all__ = ["load"]
+__all__ = ["load", "read_into"]
 Key = tuple[str, str, str]  # (kind, name, state)
 
 
@@ -62,7 +62,15 @@ def load(
     _check_params(call, params)
     names = _local_names(call, params, pipeline)
     bufs = {n: b for n, b in buffers_of(call, buffers, pipeline).items() if not b.is_meta}
-    path = Path(path)
+    return read_into(call, Path(path), params, names, bufs, optimizer, pipeline, buffers)
+
+
+def read_into(
+    call: str, path: Path, params: dict[str, torch.Tensor], names: list[str], bufs: dict[str, torch.Tensor],
+    optimizer: Any = None, pipeline: Any = None, buffers: Any = None,
+) -> dict[str, Any]:  # fmt: skip
+    """Fill `params[n]` for each n in `names` and the buffers `bufs` from the checkpoint or
+    `save_pretrained` folder at `path` (the one reader `load` and `generate(weights=...)` use)."""
     if hf.is_safetensors_dir(path):
         return hf.load_pretrained(call, path, params, names, bufs, optimizer)
     for _ in range(3):

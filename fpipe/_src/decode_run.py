@@ -10,8 +10,21 @@ stage 0, which feeds it at the next step of the same microbatch. So with m micro
 flight, stage s works on microbatch i while stage s+1 works on i-1, and stage 0 can start
 microbatch i's next token as soon as it comes back: with m >= stages no stage waits in the
 steady state (vLLM's rule: pp batches in flight fill the pipeline). In one process the stages
-run in order at each (step, microbatch). Every wait is failure-aware (`PPGroup.wait_all`): a
-rank that fails reports where, and every other rank stops naming it.
+run in order at each (step, microbatch). Under torchrun a rank may hold several stages, and
+every rank walks its operations in one global order (NOTE [several stages per rank] in
+decode_walk.py). Every wait is failure-aware (`PPGroup.wait_all`): a rank that fails reports
+where, and every other rank stops naming it.
+
+# NOTE [ranks stop together]
+transformers stops when every sequence has ended; a finished sequence gets the pad token until
+then. Under torchrun stage 0 has each microbatch's tokens as they come back, so it knows when
+every sequence of microbatch i has ended (an EOS in each row). It then does not feed (t, i):
+its operation sends a stop flag on in place of the values (the flag is one more tensor in every
+message between stages, 0 while running), every later stage passes the flag on instead of
+running, the last stage sends no token, and each stage skips microbatch i from then on. The
+pad tokens those steps would have given are filled in on stage 0; when every microbatch has
+stopped no stage runs again. No collective is added per step: the flag rides on the messages
+each operation sends anyway.
 """
 
 from __future__ import annotations
@@ -25,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from .decode import Programs
+from .decode_walk import walk_order
 from .dist import PeerFailure, PPGroup, exit_hard_after_failure
 from .run_dist import send_reaper
 
@@ -32,6 +46,7 @@ __all__ = ["Feed", "StageCaches", "run_local", "run_rank"]
 
 Select = Callable[[torch.Tensor, int, int], torch.Tensor]  # (logits, step, microbatch) -> tokens
 OnStep = Callable[[int, list[torch.Tensor]], bool]  # (step, its tokens per microbatch) -> stop?
+Ends = tuple[list[int], "int | None"]  # (EOS ids, the pad id a finished sequence gets)
 
 
 @dataclasses.dataclass
@@ -149,11 +164,14 @@ def run_rank(
     pg: PPGroup,
     timeout: float,
     on_step: OnStep,
+    ends: Ends | None = None,
 ) -> list[list[torch.Tensor]]:
-    """This rank's stage (stage = rank) over every (step, microbatch) (NOTE [the decode
-    schedule]). Rank 0 returns tokens[step][mb] (the last rank sends every token back to it),
-    the others an empty list; rank 0 calls `on_step` as each step's tokens are complete."""
-    rank = _Rank(pg, timeout, feed, on_step)
+    """This rank's stages (stage s on rank s mod ranks) over every (step, microbatch) (NOTE [the
+    decode schedule], NOTE [ranks stop together]). Stage 0's rank returns tokens[step][mb] of the
+    steps run (the last stage sends every token back to it), the others an empty list; it calls
+    `on_step` as each step's tokens are complete. `ends` (EOS ids, pad id): stop a microbatch
+    whose sequences have all ended."""
+    rank = _Rank(pg, timeout, feed, on_step, programs(0).staged.n_stages, ends)
     try:
         return rank.run(programs, params, caches, select)
     except (PeerFailure, TimeoutError):
@@ -166,14 +184,22 @@ def run_rank(
 
 
 class _Rank:
-    """One rank's walk over (step, microbatch): receive, run its stage, send."""
+    """One rank's walk over (step, microbatch, stage): receive, run the stage, send."""
 
-    def __init__(self, pg: PPGroup, timeout: float, feed: Feed, on_step: OnStep) -> None:
+    def __init__(
+        self, pg: PPGroup, timeout: float, feed: Feed, on_step: OnStep, n_stages: int, ends: Ends | None
+    ) -> None:  # fmt: skip
         self.pg, self.timeout, self.feed, self.on_step = pg, timeout, feed, on_step
-        self.stage, self.last = pg.rank, pg.size - 1
+        self.n, self.last = n_stages, n_stages - 1
+        self.mine = [s for s in range(n_stages) if s % pg.size == pg.rank]
         self.reaper = send_reaper(pg, timeout)
         self.reaper.timeout = timeout
         self.where = "setup"
+        self.mail: dict[tuple[int, int, int, int], list[torch.Tensor]] = {}  # same-rank hand-offs
+        self.stopped: dict[tuple[int, int], int] = {}  # (stage, mb) -> the step it stopped at
+        self.got: dict[tuple[int, int], torch.Tensor] = {}  # stage 0: (step, mb) -> its token
+        self.ends = ends
+        self.reported: list[list[torch.Tensor]] = []
 
     def run(
         self,
@@ -182,88 +208,132 @@ class _Rank:
         caches: StageCaches,
         select: Select,
     ) -> list[list[torch.Tensor]]:
-        feed = self.feed
-        tokens: list[list[Any]] = []  # on stage 0: tokens[step][mb], the tokens it fed
-        for step in range(feed.steps):
-            progs = programs(step)
-            row: list[Any] = []  # on stage 0: the tokens of the step before
-            for mb in range(feed.microbatches):
-                self.where = f"step {step} (stage {self.stage}, microbatch {mb})"
-                fed = self._token(step - 1, mb) if self.stage == 0 and step else None
-                row.append(fed)
-                history = [r[mb] for r in tokens[1:]] + [fed] if fed is not None else None
-                env: dict[str, Any] = {**feed.data(step, mb, history), **caches.buffers[mb]}
-                env.update(self._receive(progs, step, mb))
-                run_stage(progs, self.stage, env, params)
-                self._send(progs, env, step, mb, select)
-            if self.stage == 0 and step:  # the tokens of the step before are all back
-                self.on_step(step - 1, row)
-            tokens.append(row)
-        if self.stage == 0:  # the last step's tokens, and every token shifted by one step
-            self.where = "the end (stage 0)"
-            last = [self._token(feed.steps - 1, mb) for mb in range(feed.microbatches)]
-            self.on_step(feed.steps - 1, last)
-            tokens = [*tokens[1:], last]
+        for step, mb, stage in walk_order(self.feed.steps, self.feed.microbatches, self.n, self.mine):
+            if (stage, mb) in self.stopped:
+                continue
+            self.where = f"step {step} (stage {stage}, microbatch {mb})"
+            if stage == 0 and step:
+                self._fed(step, mb)
+            if step < self.feed.steps:  # (at step == steps: the last tokens' receive only)
+                self._op(programs(step), params, caches, select, step, mb, stage)
         self.reaper.drain()
-        return tokens if self.stage == 0 else []
+        return self.reported if 0 in self.mine else []
 
-    def _receive(self, progs: Programs, step: int, mb: int) -> dict[str, torch.Tensor]:
-        mine = set(progs.program(self.stage).inputs)
-        got: dict[str, torch.Tensor] = {}
-        for src in range(self.stage):
-            names = [n for n in progs.program(src).outputs if n in mine]
-            if names:
-                got.update(
-                    zip(
-                        names,
-                        self._recv(
-                            progs, names, src, f"stage {src}'s outputs for step {step}, microbatch {mb}"
-                        ),
-                    )
-                )
-        return got
+    def _op(
+        self, progs: Programs, params: dict[str, torch.Tensor], caches: StageCaches, select: Select,
+        step: int, mb: int, stage: int,
+    ) -> None:  # fmt: skip
+        """Run (step, mb) at `stage`, or pass the stop on (NOTE [ranks stop together])."""
+        history = [self.got[u, mb] for u in range(step)] if stage == 0 else None
+        env: dict[str, Any] = {**self.feed.data(step, mb, history), **caches.buffers[mb]}
+        stop = (0, mb) in self.stopped if stage == 0 else self._receive(progs, env, step, mb, stage)
+        if stop:
+            self.stopped[stage, mb] = step
+        else:
+            run_stage(progs, stage, env, params)
+        self._send(progs, env, step, mb, stage, select, stop)
 
-    def _recv(self, progs: Programs, names: list[str], src: int, what: str) -> list[torch.Tensor]:
-        bufs = [
-            torch.empty(progs.staged.meta[n][0], dtype=progs.staged.meta[n][1], device=self.pg.device)
-            for n in names
-        ]
-        return [_laid_out(progs, n, b) for n, b in zip(names, self._recv_raw(bufs, src, what))]
-
-    def _token(self, step: int, mb: int) -> torch.Tensor:
-        (tok,) = self._recv_raw(
+    def _fed(self, step: int, mb: int) -> None:
+        """Stage 0, before (step, mb): receive the token of (step - 1, mb); the microbatch stops
+        at `step` if its sequences have all ended (this op then sends the stop on)."""
+        tok = self._channel_recv(
             [torch.empty(self.feed.rows, 1, dtype=torch.long, device=self.pg.device)],
-            self.last,
-            f"the tokens of step {step}, microbatch {mb}",
-        )
-        return tok
+            self.last, 0, step - 1, mb, f"the tokens of step {step - 1}, microbatch {mb}",
+        )[0]  # fmt: skip
+        self.got[step - 1, mb] = tok
+        if step < self.feed.steps and self._ended(step, mb):
+            self.stopped[0, mb] = step
+        self._report()
 
-    def _recv_raw(self, bufs: list[torch.Tensor], src: int, what: str) -> list[torch.Tensor]:
-        works = dist.batch_isend_irecv(
-            [dist.P2POp(dist.irecv, b, self.pg.global_rank(src), self.pg.group) for b in bufs]
-        )
-        self.pg.wait_all(
-            works,
-            self.timeout,
-            functools.partial(str, f"at {self.where} receiving {what} from rank {src}"),
-            src,
-        )
-        return bufs
+    def _ended(self, step: int, mb: int) -> bool:
+        """Whether every sequence of `mb` has ended by the tokens of steps < `step`."""
+        if self.ends is None or not self.ends[0]:
+            return False
+        eos = torch.tensor(self.ends[0])
+        seen = torch.cat([self.got[u, mb] for u in range(step)], dim=1)
+        return bool(torch.isin(seen, eos).any(dim=1).all())
 
-    def _send(self, progs: Programs, env: dict[str, Any], step: int, mb: int, select: Select) -> None:
-        prog = progs.program(self.stage)
-        for dst in range(self.stage + 1, self.last + 1):
+    def _report(self) -> None:
+        """`on_step` for each step whose tokens are all known (a stopped microbatch's: the pad)."""
+        m = self.feed.microbatches
+        while True:
+            t = len(self.reported)
+            live = [(t, i) in self.got for i in range(m)]
+            done = [live[i] or self.stopped.get((0, i), t + 1) <= t for i in range(m)]
+            if t >= self.feed.steps or not all(done) or not any(live):
+                return
+            row = [self.got[t, i] if live[i] else self._pad() for i in range(m)]
+            self.reported.append(row)
+            self.on_step(t, row)
+
+    def _pad(self) -> torch.Tensor:
+        """A stopped microbatch's tokens: the pad (it stops at EOS only, so there is a pad id)."""
+        assert self.ends is not None and self.ends[1] is not None
+        return torch.full((self.feed.rows, 1), int(self.ends[1]), dtype=torch.long, device=self.pg.device)
+
+    def _receive(self, progs: Programs, env: dict[str, Any], step: int, mb: int, stage: int) -> bool:
+        """Every value `stage` reads from earlier stages into `env`; True if they carry the stop."""
+        mine, stop = set(progs.program(stage).inputs), False
+        for src in range(stage):
+            names = [n for n in progs.program(src).outputs if n in mine]
+            if not names:
+                continue
+            bufs = [self._buffer(progs, n) for n in names] + [
+                torch.zeros(1, dtype=torch.long, device=self.pg.device)
+            ]
+            what = f"stage {src}'s outputs for step {step}, microbatch {mb}"
+            *got, flag = self._channel_recv(bufs, src, stage, step, mb, what)
+            stop = stop or bool(flag.item())
+            env.update({n: _laid_out(progs, n, b) for n, b in zip(names, got)})
+        return stop
+
+    def _buffer(self, progs: Programs, name: str) -> torch.Tensor:
+        shape, dtype = progs.staged.meta[name][:2]
+        return torch.empty(shape, dtype=dtype, device=self.pg.device)
+
+    def _send(
+        self, progs: Programs, env: dict[str, Any], step: int, mb: int, stage: int, select: Select, stop: bool
+    ) -> None:  # fmt: skip
+        prog = progs.program(stage)
+        flag = torch.tensor([int(stop)], dtype=torch.long, device=self.pg.device)
+        for dst in range(stage + 1, self.n):
             names = [n for n in prog.outputs if n in set(progs.program(dst).inputs)]
             if names:
-                self._isend(
-                    [env[n].contiguous() for n in names], dst, f"step {step}, microbatch {mb}'s values"
+                values = [self._buffer(progs, n) if stop else env[n].contiguous() for n in names]
+                self._channel_send(
+                    [*values, flag], stage, dst, step, mb, f"step {step}, microbatch {mb}'s values"
                 )
-        if self.stage == self.last:
-            self._isend([select(env[progs.logits], step, mb)], 0, f"step {step}, microbatch {mb}'s tokens")
+        if stage == self.last and not stop:
+            token = select(env[progs.logits], step, mb)
+            self._channel_send([token], stage, 0, step, mb, f"step {step}, microbatch {mb}'s tokens")
 
-    def _isend(self, tensors: list[torch.Tensor], dst: int, what: str) -> None:
-        ops = [dist.P2POp(dist.isend, t, self.pg.global_rank(dst), self.pg.group) for t in tensors]
-        self.reaper.submit(dist.batch_isend_irecv(ops), tensors, f"sending {what} to rank {dst}", dst)
+    def _channel_send(
+        self, tensors: list[torch.Tensor], src: int, dst: int, step: int, mb: int, what: str
+    ) -> None:  # fmt: skip
+        """To stage `dst`: handed over in this process if it is this rank's, else sent under the
+        (src, dst) stage pair's tag (NOTE [several stages per rank])."""
+        peer = dst % self.pg.size
+        if peer == self.pg.rank:
+            self.mail[src, dst, step, mb] = tensors
+            return
+        glob = self.pg.global_rank(peer)
+        ops = [dist.P2POp(dist.isend, t, glob, self.pg.group, self._tag(src, dst)) for t in tensors]
+        self.reaper.submit(dist.batch_isend_irecv(ops), tensors, f"sending {what} to rank {peer}", peer)
+
+    def _channel_recv(
+        self, bufs: list[torch.Tensor], src: int, dst: int, step: int, mb: int, what: str
+    ) -> list[torch.Tensor]:  # fmt: skip
+        peer = src % self.pg.size
+        if peer == self.pg.rank:
+            return self.mail.pop((src, dst, step, mb))
+        glob, tag = self.pg.global_rank(peer), self._tag(src, dst)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, b, glob, self.pg.group, tag) for b in bufs])
+        where = f"at {self.where} receiving {what} from rank {peer}"
+        self.pg.wait_all(works, self.timeout, functools.partial(str, where), peer)
+        return bufs
+
+    def _tag(self, src: int, dst: int) -> int:
+        return src * self.n + dst
 
 
 def _laid_out(progs: Programs, name: str, buf: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ stage 0 and, at the end, to every rank.
 from __future__ import annotations
 
 import dataclasses
+import os
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +27,7 @@ from .functionalize import functionalize
 from .generate_check import check_call, eos_and_pad, refill_step, stage_count
 from .generate_sample import Sampling, Selector
 from .generate_settings import resolve
+from .stage_weights import check_weights, load_stage_weights
 
 __all__ = ["generate"]
 
@@ -50,6 +52,7 @@ def generate(
     seed: int | None = None,
     eos_token_id: int | list[int] | None = None,
     streamer: Any = None,
+    weights: str | os.PathLike[str] | None = None,
 ) -> torch.Tensor:
     """Generate up to `max_new_tokens` tokens per sequence through a pipeline of the model's
     decoder blocks, each stage keeping the K/V cache of its own layers.
@@ -61,10 +64,12 @@ def generate(
     generator seeded by (`seed`, its row), so a seed gives the same tokens at any stage count
     and any number of microbatches.
 
-    Under torchrun each rank runs one stage (`stages` defaults to the number of ranks), holds
-    only its layers' K/V buffers, and gets the full sequences; pass the same arguments on every
-    rank. With `microbatches=m` the batch is cut into m groups of rows that are in flight at
-    once: stage s decodes group i while stage s+1 decodes group i-1.
+    Under torchrun each rank runs `stages / ranks` stages (stage s on rank s mod ranks; one per
+    rank by default), holds only its layers' K/V buffers, and gets the full sequences; pass the
+    same arguments on every rank. With `microbatches=m` the batch is cut into m groups of rows
+    that are in flight at once: stage s decodes group i while stage s+1 decodes group i-1. A
+    group whose sequences have all ended stops on every rank. A model built on the meta
+    device is loaded from `weights`, each rank reading only what its stages read.
 
     Args:
         model: a transformers causal LM (`...ForCausalLM`) in eval mode, full attention.
@@ -85,6 +90,9 @@ def generate(
             gets the prompt, then each step's new tokens `[batch]`, then `end()` is called. Under
             torchrun only rank 0's streamer is called (rank 0 has each step's tokens first);
             another rank's gets no call at all.
+        weights: for a model built on the meta device: a `save_pretrained` folder or an
+            `fpipe.save` checkpoint; each rank materialises and reads only the parameters and
+            buffers its stages read (NOTE [stage-local weights], docs/GENERATION.md).
 
     Returns:
         `[batch, prompt + n]` long tensor: the prompts and the n <= max_new_tokens new tokens.
@@ -102,6 +110,7 @@ def generate(
     pg = _group(mesh)
     call = check_call(model, input_ids, attention_mask, max_new_tokens, microbatches, stages, pg)
     n_stages = stage_count(call, model, stages, pg)
+    path = check_weights(call, model, weights)
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(torch.long)
     eos, pad = eos_and_pad(model, eos_token_id)
     rule, warp = resolve(call, model, do_sample, temperature, top_k, top_p)
@@ -110,26 +119,31 @@ def generate(
         input_ids, mask, max_new_tokens, microbatches, refill_step(model, input_ids.shape[1], max_new_tokens)
     )
     programs = _programs(model, feed, n_stages, input_ids.device)
-    _, params = functionalize(model)
-    mine = list(range(n_stages)) if pg is None else [pg.rank]
-    caches = StageCaches(programs(0), mine, feed)
+    mine = list(range(n_stages)) if pg is None else [s for s in range(n_stages) if s % pg.size == pg.rank]
     selector = Selector(rule, warp, input_ids.shape[0], eos, pad)
     progress = _Progress(input_ids, eos, streamer if pg is None or pg.rank == 0 else None)
     with torch.no_grad():
-        if pg is None:
-            progress.start()
-            tokens = run_local(programs, params, feed, caches, _select(selector, feed), progress.step)
-            new = torch.cat([torch.cat(row) for row in tokens], dim=1)
-        else:
+        if pg is not None:
             pg.begin_call()
             _same_on_every_rank(
                 call, pg, input_ids, mask, (max_new_tokens, microbatches, eos, pad), rule, seed
             )
-            progress.start()
+        if path is not None:  # NOTE [stage-local weights]: after the checks, before any value moves
+            steps = sorted({0, min(1, max_new_tokens - 1), feed.refill or 0})
+            _failing_on(pg, "loading its stage weights", lambda: load_stage_weights(
+                call, model, [programs(t) for t in steps], mine, path, input_ids.device))  # fmt: skip
+        _, params = functionalize(model)
+        caches = StageCaches(programs(0), mine, feed)
+        progress.start()
+        select = _select(selector, feed)
+        if pg is None:
+            tokens = run_local(programs, params, feed, caches, select, progress.step)
+            new = torch.cat([torch.cat(row) for row in tokens], dim=1)
+        else:
             tokens = run_rank(
-                programs, params, feed, caches, _select(selector, feed), pg, DEFAULT_TIMEOUT, progress.step
+                programs, params, feed, caches, select, pg, DEFAULT_TIMEOUT, progress.step, (eos, pad)
             )
-            new = _everywhere(pg, tokens, input_ids.shape[0], max_new_tokens)
+            new = _everywhere(pg, tokens, input_ids.shape[0], max_new_tokens, pad)
     progress.end()
     return torch.cat([input_ids, new[:, : progress.length(new)].to(input_ids.dtype)], dim=1)
 
@@ -196,14 +210,28 @@ def _select(selector: Selector, feed: Feed) -> Callable[[torch.Tensor, int, int]
     return select
 
 
-def _everywhere(pg: PPGroup, tokens: list[list[torch.Tensor]], batch: int, new: int) -> torch.Tensor:
-    """Rank 0's tokens [batch, new] on every rank (one broadcast)."""
-    out = (
-        torch.cat([torch.cat(row) for row in tokens], dim=1)
-        if tokens
-        else torch.empty(batch, new, dtype=torch.long)
-    )
+def _everywhere(
+    pg: PPGroup, tokens: list[list[torch.Tensor]], batch: int, new: int, pad: int | None
+) -> torch.Tensor:
+    """Rank 0's tokens [batch, new] on every rank (one broadcast); the steps after every
+    sequence ended (not run: NOTE [ranks stop together]) hold the pad token."""
+    out = torch.full((batch, new), 0 if pad is None else pad, dtype=torch.long)
+    if tokens:
+        ran = torch.cat([torch.cat(row) for row in tokens], dim=1)
+        out[:, : ran.shape[1]] = ran
     return pg.broadcast(out.contiguous(), 0, DEFAULT_TIMEOUT, "broadcasting the generated tokens from rank 0")
+
+
+def _failing_on(pg: PPGroup | None, what: str, fn: Callable[[], None]) -> None:
+    """`fn()`; under torchrun a failure is reported to every rank (which stop naming this one)."""
+    if pg is None:
+        fn()
+        return
+    try:
+        fn()
+    except Exception as err:
+        pg.report_failure(f"{pg.me} failed {what}: {type(err).__name__}: {err}")
+        raise
 
 
 class _Progress:

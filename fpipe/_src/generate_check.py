@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .dist import PPGroup
@@ -143,15 +144,26 @@ def _check_model(call: str, model: nn.Module) -> None:
 
 
 def stage_count(call: str, model: nn.Module, stages: int | None, pg: PPGroup | None) -> int:
-    """One process: `stages` (default 1). A process group: one stage per rank."""
+    """One process: `stages` (default 1). A process group: `stages` a multiple of the ranks
+    (default one per rank), stage s on rank s mod ranks (NOTE [several stages per rank])."""
     if pg is None:
         return 1 if stages is None else stages
-    if stages is not None and stages != pg.size:
+    if stages is None or stages == pg.size:
+        return pg.size
+    if stages % pg.size:
         raise ValueError(
-            f"{call}: under torchrun generate runs one stage per rank, but stages={stages} and the "
-            f"pipeline has {pg.size} ranks; pass stages=None (or {pg.size})."
+            f"{call}: under torchrun each rank runs the same number of stages, but stages={stages} "
+            f"is not a multiple of the pipeline's {pg.size} ranks; pass stages=None (one per rank) "
+            f"or a multiple of {pg.size}."
         )
-    return pg.size
+    backend = dist.get_backend(pg.group)
+    if backend != "gloo":
+        raise ValueError(
+            f"{call}: several stages per rank (stages={stages} on {pg.size} ranks) keeps each pair "
+            f"of stages on a channel of its own, a tag, which the {backend!r} backend does not "
+            "match by; pass stages=None (one per rank), or use gloo."
+        )
+    return stages
 
 
 def eos_and_pad(model: nn.Module, eos_token_id: Any) -> tuple[list[int], int | None]:

@@ -62,6 +62,7 @@ class Request:
         self.index, self.prompt, self.max_new_tokens, self.eos = index, prompt, new, eos
         self.new_tokens: list[int] = []
         self.done = False
+        self.slot: int | None = None  # the cache slot it holds (set when it joins)
         self.submitted_at = time.perf_counter()
         self.first_token_at: float | None = None
         self._gen, self._select = gen, select
@@ -107,9 +108,9 @@ class Generator:
         max_len: cache positions per slot: every request needs prompt + max_new_tokens - 1 <=
             max_len (and its prompt bucket <= max_len).
         max_batch: cache slots (requests decoded at once); or
-        memory_limit: bytes the K/V slots may take on the rank that holds the most layers:
-            slots = memory_limit // (that rank's K/V bytes per slot), read from the K/V layout
-            the model's attention stores (`slot_bytes`). Pass one of the two (both: `max_batch`
+        memory_limit: bytes the K/V slots may take in this process (under torchrun: on the
+            rank that holds the most layers): slots = memory_limit // (its K/V bytes per
+            slot), read from the K/V layout the model's attention stores (`slot_bytes`). Pass one of the two (both: `max_batch`
             must fit under the limit).
         stages: pipeline stages (one process: default 1; under torchrun: the number of ranks).
         mesh: a DeviceMesh whose "pp" dimension is the pipeline (default: every rank).
@@ -137,10 +138,12 @@ class Generator:
         self.buckets = _buckets(self.call, buckets, max_len)
         layout = kv_layout(model, device)
         per_stage = _stage_layers(model, self.stages, len(layout) // 2)
-        mine = per_stage if self._pg is None else [per_stage[self._pg.rank]]
-        worst = max(slot_bytes(layout, layers, max_len) for layers in per_stage)
+        # what one process holds: every stage here, else one stage per rank
+        held = [sum(per_stage, [])] if self._pg is None else per_stage
+        mine = held[0] if self._pg is None else per_stage[self._pg.rank]
+        worst = max(slot_bytes(layout, layers, max_len) for layers in held)
         self.max_batch = _slots(self.call, max_batch, memory_limit, worst)
-        self.cache = SlotBuffers(layout, [i for ls in mine for i in ls], self.max_batch, max_len, device)
+        self.cache = SlotBuffers(layout, mine, self.max_batch, max_len, device)
         _, params = functionalize(model)
         self._passes = (
             LocalPasses(params) if self._pg is None else RankPasses(params, self._pg, DEFAULT_TIMEOUT)
@@ -225,7 +228,7 @@ class Generator:
         free = [s for s, r in enumerate(self._slots) if r is None]
         joining = [(s, self._queue.popleft()) for s in free[: len(self._queue)]]
         for s, j in joining:
-            self._slots[s] = j.request
+            self._slots[s], j.request.slot = j.request, s
         if self._pg is not None:
             self._pg.begin_call()
             parts = {
@@ -299,7 +302,7 @@ def _slots(call: str, max_batch: int | None, limit: int | None, per_slot: int) -
     if fits is not None and fits < (max_batch or 1):
         raise ValueError(
             f"{call}: memory_limit={limit} bytes holds {fits} cache slots of {per_slot} bytes "
-            f"(the K/V buffers of the stage with the most layers), fewer than "
+            f"(the K/V buffers of one process's layers, or of the rank with the most), fewer than "
             f"{max_batch or 1}; raise the limit, or lower max_len or max_batch."
         )
     return max_batch if max_batch is not None else int(fits or 0)

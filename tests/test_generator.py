@@ -148,3 +148,33 @@ def test_what_generate_refuses_stays_refused():
     with pytest.raises(TypeError, match="num_beams"):
         gen.submit(prompt, max_new_tokens=2, num_beams=2)  # type: ignore[call-arg]
     assert gen.idle and gen.step() is False  # nothing was queued
+
+
+# -- on 2 gloo ranks: tests/generate_worker.py's `stream_case`, in the shared 4-rank launch ---------
+
+
+@pytest.fixture(scope="module")
+def on_ranks(four_ranks) -> list[dict]:
+    """Each rank's `generator` record: the stream on the two 2-rank pipelines of a (dp=2, pp=2)
+    mesh (the `four_ranks` fixture of tests/conftest.py)."""
+    return [rec["generator"] for rec in four_ranks("generate")]
+
+
+def test_on_two_ranks_each_request_of_the_stream_equals_generate_alone(on_ranks):
+    model = llama()
+    for rank, res in enumerate(on_ranks):
+        check_stream(res["greedy"], model)
+        check_stream(res["eos"], model, res["eos_id"])
+        assert len(res["eos"]["tokens"][0]) == 3 and res["eos"]["steps"] < res["greedy"]["steps"], rank
+
+
+def test_a_stream_that_differs_across_ranks_is_refused_naming_the_step(on_ranks):
+    """Rank 1 submits another prompt than rank 0: both refuse before any transfer; the other
+    pipeline (ranks 2 and 3) runs."""
+    for rank in (0, 1):
+        err = on_ranks[rank]["differ"]
+        assert "the requests joining at step 0 (prompts and settings) differ between ranks" in err, err
+        assert err.endswith(
+            "every rank must submit the same prompts with the same settings in the same order."
+        )
+    assert on_ranks[2]["differ"] == on_ranks[3]["differ"] == "ran"

@@ -152,7 +152,8 @@ class Generator:
         self._device = device
         self._queue: deque[_Joining] = deque()
         self._slots: list[Request | None] = [None] * self.max_batch
-        self.steps, self.submitted, self.shapes = 0, 0, set[Shapes]()
+        self.steps, self.submitted = 0, 0
+        self.shapes: dict[Shapes, Any] = {}  # the traced signatures this Generator has run
 
     def submit(
         self,
@@ -171,7 +172,7 @@ class Generator:
         (NOTE [generation settings]); everything it refuses is refused here."""
         ids = prompt_ids.reshape(1, -1) if prompt_ids.dim() == 1 else prompt_ids
         call = f"{self.call}.submit(prompt of {ids.shape[-1]} tokens, max_new_tokens={max_new_tokens})"
-        check_call(self.model, ids, None, max_new_tokens, 1, None if self._pg else self.stages, self._pg)
+        check_call(self.model, ids, None, max_new_tokens, 1, self.stages, self._pg)
         self._check_length(call, ids, max_new_tokens)
         rule, warp = resolve(call, self.model, do_sample, temperature, top_k, top_p)
         given = dataclasses.replace(rule, seed=int(seed) if seed is not None else 0)
@@ -226,10 +227,8 @@ class Generator:
 
     def _join(self) -> list[tuple[int, _Joining]]:
         free = [s for s, r in enumerate(self._slots) if r is None]
-        joining = [(s, self._queue.popleft()) for s in free[: len(self._queue)]]
-        for s, j in joining:
-            self._slots[s], j.request.slot = j.request, s
-        if self._pg is not None:
+        joining = list(zip(free, list(self._queue)[: len(free)]))
+        if self._pg is not None:  # before any change: a refused step leaves the queue as it was
             self._pg.begin_call()
             parts = {
                 f"requests joining at step {self.steps} (prompts and settings)": [
@@ -243,6 +242,9 @@ class Generator:
             }
             fix = "every rank must submit the same prompts with the same settings in the same order."
             check_same_values(self.call, self._pg, parts, DEFAULT_TIMEOUT, fix)
+        for s, j in joining:
+            self._queue.popleft()
+            self._slots[s], j.request.slot = j.request, s
         return joining
 
     def _run(self, joining: list[tuple[int, _Joining]], running: dict[int, Request]) -> torch.Tensor:
@@ -269,8 +271,11 @@ class Generator:
         return self._passes.share(out)
 
     def _programs(self, shapes: Shapes) -> Any:
-        self.shapes.add(shapes)
-        return self._traces.get(self.model, shapes, self.stages, self._device)
+        """The programs of `shapes`, from `generate`'s trace cache (NOTE [trace key]) at their
+        first use by this Generator (whose buffers fix the model's dtypes), then kept here."""
+        if shapes not in self.shapes:
+            self.shapes[shapes] = self._traces.get(self.model, shapes, self.stages, self._device)
+        return self.shapes[shapes]
 
     def _record(
         self, joining: list[tuple[int, _Joining]], running: dict[int, Request], tokens: torch.Tensor

@@ -3,6 +3,7 @@ batches of `fpipe.generate` on 2 gloo ranks and against `model.generate` on one 
 per-token time over a long generation; the cost of a new prompt length.
 
     torchrun --standalone --nproc-per-node 2 bench/generate_stream.py
+    python bench/generate_stream.py --one-process    # the same, 2 stages in one process
 
 Model: a transformers Llama (`--layers` blocks, `--hidden` wide, 8 heads of which 4 key/value
 heads, vocabulary `--vocab`), fp32, random weights, one torch thread per rank. The stream:
@@ -41,6 +42,8 @@ import torch.distributed as dist
 
 import fpipe
 
+STAGES: int | None = None  # under torchrun: one per rank; `--one-process`: 2 in this process
+
 
 def build(args: argparse.Namespace) -> torch.nn.Module:
     import transformers
@@ -52,6 +55,15 @@ def build(args: argparse.Namespace) -> torch.nn.Module:
         max_position_embeddings=args.max_len, bos_token_id=None, eos_token_id=None, pad_token_id=0,
     )  # fmt: skip
     return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def stream(args: argparse.Namespace) -> tuple[list[torch.Tensor], list[float]]:
@@ -66,18 +78,19 @@ def arrived(start: float, arrivals: list[float], taken: int, limit: int, wait: b
     """How many more requests to take (rank 0's clock, broadcast): those arrived, up to `limit`;
     with `wait`, at least one (sleeping until it arrives)."""
     n = torch.zeros((), dtype=torch.long)
-    if dist.get_rank() == 0:
+    if rank() == 0:
         now = time.perf_counter() - start
         if wait and taken < len(arrivals) and arrivals[taken] > now:
             time.sleep(arrivals[taken] - now)
             now = arrivals[taken]
         n += sum(1 for a in arrivals[taken : taken + limit] if a <= now)
-    dist.broadcast(n, 0)
+    if dist.is_initialized():
+        dist.broadcast(n, 0)
     return int(n)
 
 
 def with_generator(args: argparse.Namespace, model: torch.nn.Module, prompts: list, arrivals: list) -> Any:
-    gen = fpipe.Generator(model, max_len=args.max_len, max_batch=args.slots)
+    gen = fpipe.Generator(model, max_len=args.max_len, max_batch=args.slots, stages=STAGES)
     start, handles = time.perf_counter(), []
     while len(handles) < len(prompts) or not gen.idle:
         n = arrived(start, arrivals, len(handles), len(prompts), gen.idle)
@@ -108,7 +121,7 @@ def static_batches(
             ids[i, wide - p.numel() :], mask[i, wide - p.numel() :] = p, 1
         clock = Clock()
         out = run(ids, mask, clock)
-        if dist.get_rank() == 0:
+        if rank() == 0:
             firsts += [clock.first - start] * n
             tokens += out[:, wide:].tolist()
         done += n
@@ -134,28 +147,30 @@ class Clock:
 
 def modes(args: argparse.Namespace, model: torch.nn.Module) -> dict[str, Callable[..., Any]]:
     def fp(ids: torch.Tensor, mask: torch.Tensor, clock: Clock) -> torch.Tensor:
-        return fpipe.generate(model, ids, attention_mask=mask, max_new_tokens=args.new, streamer=clock)
+        return fpipe.generate(
+            model, ids, attention_mask=mask, max_new_tokens=args.new, streamer=clock, stages=STAGES
+        )
 
     def hf(ids: torch.Tensor, mask: torch.Tensor, clock: Clock) -> torch.Tensor:
-        if dist.get_rank() != 0:
+        if rank() != 0:
             return ids
         return model.generate(
             ids, attention_mask=mask, max_new_tokens=args.new, do_sample=False, pad_token_id=0, streamer=clock
         )
 
     return {
-        "Generator (2 ranks)": lambda p, a: with_generator(args, model, p, a),
-        "fpipe.generate static batches (2 ranks)": lambda p, a: static_batches(fp, args, p, a),
-        "fpipe.generate static batches padded to --max-prompt (2 ranks)": lambda p, a: static_batches(
+        "Generator (2 stages)": lambda p, a: with_generator(args, model, p, a),
+        "fpipe.generate static batches (2 stages)": lambda p, a: static_batches(fp, args, p, a),
+        "fpipe.generate static batches padded to --max-prompt (2 stages)": lambda p, a: static_batches(
             fp, args, p, a, args.max_prompt
         ),
-        "model.generate static batches (1 process)": lambda p, a: static_batches(hf, args, p, a),
+        "model.generate static batches (unsplit, rank 0)": lambda p, a: static_batches(hf, args, p, a),
     }
 
 
 def per_token(args: argparse.Namespace, model: torch.nn.Module) -> tuple[float, float]:
     """Step times (ms) over one request's `--long` tokens: mean of the first and last eighth."""
-    gen = fpipe.Generator(model, max_len=args.long + 8, max_batch=1)
+    gen = fpipe.Generator(model, max_len=args.long + 8, max_batch=1, stages=STAGES)
     gen.submit(torch.arange(1, 9), max_new_tokens=args.long)
     marks = [time.perf_counter()]
     while gen.step():
@@ -168,13 +183,13 @@ def per_token(args: argparse.Namespace, model: torch.nn.Module) -> tuple[float, 
 def new_length(args: argparse.Namespace, buckets: Any) -> list[float]:
     """Step times (ms) that join a prompt of 20, then 19, then 20 tokens (decode traced before)."""
     model = build(args)  # a fresh model: nothing traced
-    gen = fpipe.Generator(model, max_len=args.max_len, max_batch=2, buckets=buckets)
+    gen = fpipe.Generator(model, max_len=args.max_len, max_batch=2, buckets=buckets, stages=STAGES)
     gen.submit(torch.arange(1, 4), max_new_tokens=2)
     gen.run()
     times = []
     for n in (20, 19, 20):
         gen.submit(torch.arange(1, n + 1), max_new_tokens=1)
-        dist.barrier()
+        barrier()
         t = time.perf_counter()
         gen.step()
         times.append(1e3 * (time.perf_counter() - t))
@@ -195,20 +210,25 @@ def main() -> None:
                           ("min-prompt", 4), ("max-prompt", 48), ("new", 16), ("max-len", 64), ("long", 256), ("repeats", 3)]:  # fmt: skip
         parser.add_argument(f"--{flag}", type=int, default=default)
     parser.add_argument("--rate", type=float, default=20.0, help="requests per second")
+    parser.add_argument("--one-process", action="store_true", help="no torchrun: 2 stages in one process")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    global STAGES
+    if args.one_process:
+        STAGES = 2
+    else:
+        dist.init_process_group("gloo")
     model, (prompts, arrivals) = build(args), stream(args)
     results = {}
     for name, run in modes(args, model).items():
-        dist.barrier()
+        barrier()
         results[f"{name}, cold"] = run(prompts, arrivals)  # traces the shapes it meets
         warm = []
         for _ in range(args.repeats):  # the same stream again: the best wall time
-            dist.barrier()
+            barrier()
             warm.append(run(prompts, arrivals))
         results[f"{name}, warm"] = min(warm, key=lambda r: r[2])
-    if dist.get_rank() == 0:
+    if rank() == 0:
         tokens = [r[0] for r in results.values()]
         print("every request's tokens equal across the modes:", all(t == tokens[0] for t in tokens))
         print(f"{args.requests} requests, {args.new} new tokens each, rate {args.rate}/s, {args.slots} slots")
@@ -218,7 +238,7 @@ def main() -> None:
     per_token(args, model)  # warm-up: traces
     first, last = per_token(args, model)
     bucketed, exact = new_length(args, "default"), new_length(args, None)
-    if dist.get_rank() == 0:
+    if rank() == 0:
         print(
             f"Generator per-token step: first eighth {first:.1f} ms, last eighth {last:.1f} ms ({args.long} tokens)"
         )
@@ -228,7 +248,8 @@ def main() -> None:
         print(
             f"join step, prompt 20 / 19 / 20 tokens, buckets=None: {' / '.join(f'{t:.0f}' for t in exact)} ms"
         )
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -177,12 +177,17 @@ def generator_stream(model: torch.nn.Module, eos: int | None = None, **kw: Any) 
 
 def stream_case(model: torch.nn.Module, mesh: Any, rank: int) -> dict[str, Any]:
     """The stream on a 2-rank pipeline, greedy then with an EOS id (request 0's third token in
-    the greedy run); then one where rank 1 submits another prompt (refused on both ranks of its
+    the greedy run); a seeded sampled request beside a greedy one (drawn on the last rank);
+    then one where rank 1 submits another prompt (refused on both ranks of its
     pipeline, naming the step; the other pipeline, ranks 2 and 3, runs it)."""
     res = {"greedy": generator_stream(model, mesh=mesh)}
     eos = res["greedy"]["tokens"][0][2]
     res["eos"], res["eos_id"] = generator_stream(model, eos, mesh=mesh), eos
     gen = fpipe.Generator(model, max_len=STREAM_LEN, max_batch=STREAM_SLOTS, mesh=mesh)
+    beside = gen.submit(stream_prompts()[0], max_new_tokens=4)
+    sampled = gen.submit(stream_prompts()[3], max_new_tokens=NEW, **SAMPLING)
+    gen.run()
+    res["sampled"], res["beside"] = sampled.new_tokens, beside.new_tokens
     gen.submit(stream_prompts()[1 if rank == 1 else 0], max_new_tokens=2)
     try:
         gen.run()

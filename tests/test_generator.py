@@ -20,6 +20,8 @@ import fpipe
 transformers = pytest.importorskip("transformers")
 
 from generate_worker import (  # noqa: E402  (after the importorskip)
+    NEW,
+    SAMPLING,
     STREAM,
     STREAM_LEN,
     STREAM_SLOTS,
@@ -168,12 +170,23 @@ def test_on_two_ranks_each_request_of_the_stream_equals_generate_alone(on_ranks)
         assert len(res["eos"]["tokens"][0]) == 3 and res["eos"]["steps"] < res["greedy"]["steps"], rank
 
 
+def test_on_two_ranks_a_seeded_request_draws_as_generate_alone(on_ranks):
+    """Drawn on the last rank, broadcast: every rank holds the tokens of `fpipe.generate(...,
+    seed=)` of that prompt alone in one process."""
+    model, prompts = llama(), stream_prompts()
+    ref = fpipe.generate(model, prompts[3][None], max_new_tokens=NEW, **SAMPLING)
+    for res in on_ranks:
+        assert res["sampled"] == ref[0, prompts[3].numel() :].tolist()
+        assert res["beside"] == alone(model, prompts[0], 4)
+
+
 def test_a_stream_that_differs_across_ranks_is_refused_naming_the_step(on_ranks):
-    """Rank 1 submits another prompt than rank 0: both refuse before any transfer; the other
-    pipeline (ranks 2 and 3) runs."""
+    """Rank 1 submits another prompt than rank 0: both refuse before any transfer, and the queue
+    is left as it was; the other pipeline (ranks 2 and 3) runs."""
     for rank in (0, 1):
         err = on_ranks[rank]["differ"]
-        assert "the requests joining at step 0 (prompts and settings) differ between ranks" in err, err
+        # step 8: the Generator ran the sampled request's 8 steps before
+        assert "the requests joining at step 8 (prompts and settings) differ between ranks" in err, err
         assert err.endswith(
             "every rank must submit the same prompts with the same settings in the same order."
         )

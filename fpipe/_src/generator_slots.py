@@ -19,7 +19,8 @@ def slot_bytes(layout: Layout, layers: Sequence[int], max_len: int) -> int:
 
 
 def default_buckets(max_len: int, smallest: int = 8) -> tuple[int, ...]:
-    """Powers of two from `smallest` below `max_len`, then `max_len`: log2(max_len) prefill traces."""
+    """Powers of two from `smallest` below `max_len`, then `max_len`: at most
+    log2(max_len / smallest) + 1 prefill traces."""
     out, b = [], smallest
     while b < max_len:
         out.append(b)

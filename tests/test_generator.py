@@ -150,6 +150,8 @@ def test_what_generate_refuses_stays_refused():
     with pytest.raises(TypeError, match="num_beams"):
         gen.submit(prompt, max_new_tokens=2, num_beams=2)  # type: ignore[call-arg]
     assert gen.idle and gen.step() is False  # nothing was queued
+    with pytest.raises(ValueError, match=r"rope_type='longrope' chooses its frequencies per forward"):
+        fpipe.Generator(build("phi3"), max_len=STREAM_LEN, max_batch=2)  # slots share one forward
 
 
 # -- on 2 gloo ranks: tests/generate_worker.py's `stream_case`, in the shared 4-rank launch ---------

@@ -134,6 +134,7 @@ class Generator:
         self.call = f"fpipe.Generator({type(model).__name__}, max_len={max_len})"
         device = next(model.parameters()).device
         call = check_call(model, torch.zeros(1, 1, dtype=torch.long), None, 1, 1, stages, self._pg)
+        _refuse_longrope(self.call, model)
         self.stages = stage_count(call, model, stages, self._pg)
         self.buckets = _buckets(self.call, buckets, max_len)
         layout = kv_layout(model, device)
@@ -289,6 +290,25 @@ class Generator:
             if token in req.eos or len(req.new_tokens) >= req.max_new_tokens:
                 req.done = True
                 self._slots[slot] = None
+
+
+def _refuse_longrope(call: str, model: nn.Module) -> None:
+    """Phi-3's `longrope` picks its factor per forward from the largest position of the rows it
+    sees (NOTE [a refill]): one slot past the original length would switch every other slot's."""
+    cfg: Any = model.config
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    kinds = [
+        p.get("rope_type", p.get("type"))
+        for p in (
+            params.values() if all(isinstance(v, dict) for v in params.values()) and params else [params]
+        )
+    ]
+    if "longrope" in kinds:
+        raise ValueError(
+            f"{call}: the model's rope_type='longrope' chooses its frequencies per forward from "
+            "the largest position among the rows, so a request in one slot would change the "
+            "tokens of the others; use fpipe.generate for this model."
+        )
 
 
 def _stage_layers(model: nn.Module, stages: int, n_layers: int) -> list[list[int]]:

@@ -59,15 +59,25 @@ def check_stream(got: dict, model: torch.nn.Module, eos: int | None = None) -> N
     assert len(set(got["slots"])) == STREAM_SLOTS  # 6 requests through 2 slots: freed slots reused
 
 
-@pytest.mark.parametrize("stages, buckets", [(1, "default"), (2, "default"), (2, None)])
-def test_each_request_of_a_mixed_stream_equals_generate_alone(stages, buckets):
-    model = llama()
+@pytest.mark.parametrize(
+    "family, stages, buckets",
+    [
+        ("llama", 1, "default"),
+        ("llama", 2, "default"),
+        ("llama", 2, None),
+        ("gpt2", 2, "default"),
+        ("qwen2", 2, "default"),
+    ],
+)
+def test_each_request_of_a_mixed_stream_equals_generate_alone(family, stages, buckets):
+    model = llama() if family == "llama" else build(family)
     greedy = generator_stream(model, stages=stages, buckets=buckets)
     check_stream(greedy, model)
-    eos = greedy["tokens"][0][2]  # ends request 0 at its third token, mid-stream
+    eos = greedy["tokens"][0][2]  # ends request 0 at its third token (or before), mid-stream
     ended = generator_stream(model, eos, stages=stages, buckets=buckets)
     check_stream(ended, model, eos)
-    assert len(ended["tokens"][0]) == 3 and ended["steps"] < greedy["steps"]
+    first = greedy["tokens"][0]
+    assert ended["tokens"][0] == first[: first.index(eos) + 1] and ended["steps"] < greedy["steps"]
 
 
 def test_a_handle_streams_its_tokens_as_they_come():
@@ -150,6 +160,13 @@ def test_what_generate_refuses_stays_refused():
     with pytest.raises(TypeError, match="num_beams"):
         gen.submit(prompt, max_new_tokens=2, num_beams=2)  # type: ignore[call-arg]
     assert gen.idle and gen.step() is False  # nothing was queued
+    bloom = transformers.BloomConfig(n_layer=2, hidden_size=32, n_head=4, vocab_size=64, pad_token_id=0)
+    gen = fpipe.Generator(transformers.BloomForCausalLM(bloom).eval(), max_len=STREAM_LEN, max_batch=2)
+    gen.submit(prompt, max_new_tokens=2)
+    with pytest.raises(
+        ValueError, match=r"with every slot at its own position \(NOTE \[slots\]: a prepared 4-D"
+    ):
+        gen.step()  # ALiBi from the 2-D mask: the trace fails, named
     with pytest.raises(ValueError, match=r"rope_type='longrope' chooses its frequencies per forward"):
         fpipe.Generator(build("phi3"), max_len=STREAM_LEN, max_batch=2)  # slots share one forward
 
@@ -169,7 +186,9 @@ def test_on_two_ranks_each_request_of_the_stream_equals_generate_alone(on_ranks)
     for rank, res in enumerate(on_ranks):
         check_stream(res["greedy"], model)
         check_stream(res["eos"], model, res["eos_id"])
-        assert len(res["eos"]["tokens"][0]) == 3 and res["eos"]["steps"] < res["greedy"]["steps"], rank
+        first = res["greedy"]["tokens"][0]
+        assert res["eos"]["tokens"][0] == first[: first.index(res["eos_id"]) + 1], rank
+        assert res["eos"]["steps"] < res["greedy"]["steps"], rank
 
 
 def test_on_two_ranks_a_seeded_request_draws_as_generate_alone(on_ranks):

@@ -275,7 +275,16 @@ class Generator:
         """The programs of `shapes`, from `generate`'s trace cache (NOTE [trace key]) at their
         first use by this Generator (whose buffers fix the model's dtypes), then kept here."""
         if shapes not in self.shapes:
-            self.shapes[shapes] = self._traces.get(self.model, shapes, self.stages, self._device)
+            try:
+                self.shapes[shapes] = self._traces.get(self.model, shapes, self.stages, self._device)
+            except (RuntimeError, ValueError, TypeError) as err:
+                raise ValueError(
+                    f"{self.call}: tracing the model's step with every slot at its own position "
+                    f"(NOTE [slots]: a prepared 4-D attention mask) failed: {type(err).__name__}: "
+                    f"{err}. The request loop needs a model whose attention takes a 4-D mask as "
+                    "given (not one that derives more from the 2-D mask, as Bloom's ALiBi "
+                    "does); use fpipe.generate for this model."
+                ) from err
         return self.shapes[shapes]
 
     def _record(

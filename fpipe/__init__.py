@@ -17,6 +17,8 @@ from ._src.checkpoint_manager import CheckpointManager as CheckpointManager
 from ._src.checkpoint_manager import Restored as Restored
 from ._src.functionalize import functionalize as functionalize
 from ._src.generate import generate as generate
+from ._src.generator import Generator as Generator
+from ._src.generator import Request as Request
 from ._src.marker import stage_boundary as stage_boundary
 from ._src.optim import clip_grad_norm_ as clip_grad_norm_
 from ._src.optim import set_grads as set_grads

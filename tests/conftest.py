@@ -34,7 +34,7 @@ def four_ranks(tmp_path_factory):
     """`four_ranks(part)`: each rank's record of one part ("trust", "hf", "dp" or "generate") of
     the one torchrun launch of `tests/four_ranks_worker.py` (4 ranks, started on first use) that
     tests/test_trust_dist.py, tests/test_hf_dist.py, tests/test_dp.py and
-    tests/test_generate_cache.py share."""
+    tests/test_generate_cache.py and tests/test_generator.py share."""
     out = tmp_path_factory.mktemp("four_ranks")
     parts = {part: out / part for part in ("trust", "hf", "dp", "generate")}
     launched: list = []

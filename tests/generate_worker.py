@@ -269,6 +269,58 @@ def stage_counts(model: torch.nn.Module, mesh: Any) -> str:
     return "ran"
 
 
+# fpipe.Generator's mixed stream: (prompt length, the step it is submitted before, max_new_tokens);
+# 2 slots, so the later requests join slots that earlier ones freed
+STREAM = [(5, 0, 6), (3, 0, 7), (9, 1, 5), (12, 3, 4), (4, 3, 6), (7, 6, 5)]
+STREAM_SLOTS, STREAM_LEN = 2, 24
+
+
+def stream_prompts() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(11)
+    return [torch.randint(1, VOCAB, (n,), generator=gen) for n, _, _ in STREAM]
+
+
+def generator_stream(model: torch.nn.Module, eos: int | None = None, **kw: Any) -> dict[str, Any]:
+    """The stream through a `fpipe.Generator` driven step by step: each request's new tokens,
+    its slot, and the step counts."""
+    gen = fpipe.Generator(model, max_len=STREAM_LEN, max_batch=STREAM_SLOTS, **kw)
+    prompts, handles, step = stream_prompts(), {}, 0
+    while len(handles) < len(STREAM) or not gen.idle:
+        for i, (_, at, new) in enumerate(STREAM):
+            if at == step:
+                handles[i] = gen.submit(prompts[i], max_new_tokens=new, eos_token_id=eos)
+        gen.step()
+        step += 1
+    order = sorted(handles)
+    return {
+        "tokens": [handles[i].new_tokens for i in order],
+        "slots": [handles[i].slot for i in order],
+        "steps": gen.steps,
+    }
+
+
+def stream_case(model: torch.nn.Module, mesh: Any, rank: int) -> dict[str, Any]:
+    """The stream on a 2-rank pipeline, greedy then with an EOS id (request 0's third token in
+    the greedy run); a seeded sampled request beside a greedy one (drawn on the last rank);
+    then one where rank 1 submits another prompt (refused on both ranks of its
+    pipeline, naming the step; the other pipeline, ranks 2 and 3, runs it)."""
+    res = {"greedy": generator_stream(model, mesh=mesh)}
+    eos = res["greedy"]["tokens"][0][2]
+    res["eos"], res["eos_id"] = generator_stream(model, eos, mesh=mesh), eos
+    gen = fpipe.Generator(model, max_len=STREAM_LEN, max_batch=STREAM_SLOTS, mesh=mesh)
+    beside = gen.submit(stream_prompts()[0], max_new_tokens=4)
+    sampled = gen.submit(stream_prompts()[3], max_new_tokens=NEW, **SAMPLING)
+    gen.run()
+    res["sampled"], res["beside"] = sampled.new_tokens, beside.new_tokens
+    gen.submit(stream_prompts()[1 if rank == 1 else 0], max_new_tokens=2)
+    try:
+        gen.run()
+        res["differ"] = "ran"
+    except ValueError as err:
+        res["differ"] = str(err)
+    return res
+
+
 def values_differ(model: torch.nn.Module, rank: int) -> str:
     """Rank 1 passes a prompt with one token changed (same shapes): every rank's error."""
     ids, mask = prompt()
@@ -304,6 +356,7 @@ def run(out: str) -> None:
         results[f"stop-pp{pp}"] = early_stop(models["llama"], mesh, share)
     results["stage_local"] = stage_local(out, meshes[2], share)
     results["stage_counts"] = stage_counts(models["llama"], meshes[2])
+    results["generator"] = stream_case(build("llama"), meshes[2], rank)
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(results, f)
     dist.barrier()

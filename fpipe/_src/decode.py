@@ -42,11 +42,14 @@ Layout = list[tuple[int, int, torch.dtype]]
 @dataclasses.dataclass(frozen=True)
 class Shapes:
     """One traced signature: a microbatch of `rows` sequences, `q` new tokens per call (the
-    prompt length, or 1), buffers of `max_len` positions."""
+    prompt length, or 1), buffers of `max_len` positions; `per_row`: each row at its own
+    position (`offset` of shape [rows]: `fpipe.Generator`'s slots, NOTE [slots] in
+    generator_cache.py), else every row at one (`offset` of shape [])."""
 
     rows: int
     q: int
     max_len: int
+    per_row: bool = False
 
 
 @dataclasses.dataclass
@@ -178,6 +181,11 @@ def trace_step(call: str, model: nn.Module, shapes: Shapes, device: torch.device
         out = fn(p, input_ids=ids, attention_mask=mask, position_ids=positions, **{cache_kw: cache}, **extra)
         return out.logits[:, -1]
 
+    if shapes.per_row:
+        from .generator_cache import row_step
+
+        step = row_step(fn, extra, cache_kw, layout[0][2])
+
     def rebuild(leaves: list[torch.Tensor]) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
         return dict(zip(names, leaves[: len(names)])), tuple(leaves[len(names) :]), {}
 
@@ -191,5 +199,6 @@ def example(shapes: Shapes, layout: Layout) -> list[torch.Tensor]:
     """Meta tensors of one microbatch's step inputs (traced as fakes on the data's device)."""
     b, q, n = shapes.rows, shapes.q, shapes.max_len
     meta = torch.device("meta")
-    data = [torch.empty(s, dtype=torch.long, device=meta) for s in [(b, q), (b, n), (b, q), ()]]
+    offset = (b,) if shapes.per_row else ()
+    data = [torch.empty(s, dtype=torch.long, device=meta) for s in [(b, q), (b, n), (b, q), offset]]
     return [*data, *(torch.empty(b, h, n, d, dtype=dt, device=meta) for h, d, dt in layout)]

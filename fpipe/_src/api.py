@@ -17,7 +17,7 @@ import torch
 from . import execute as execute_
 from . import inputs as inputs_
 from . import memory as memory_
-from . import outputs, tree
+from . import outputs, transforms, tree
 from .checkpoint_job import check_earlier
 from .compiler import Compiled, Compiler
 from .config import Config
@@ -72,10 +72,12 @@ class Pipelined:
         return self.cfg.call
 
     def __call__(self, params: Any, *args: Any, **kwargs: Any) -> Any:
-        return self._guarded(self._forward, params, args, kwargs)
+        return self._guarded(transforms.lifted_call(self) or self._forward, params, args, kwargs)
 
     def value_and_grad(self, argnums: Argnums, has_aux: bool, params: Any, args: Args, kwargs: Kwargs) -> Any:
-        return self._guarded(self._value_and_grad, params, args, kwargs, argnums, has_aux)
+        return self._guarded(
+            transforms.lifted_call(self) or self._value_and_grad, params, args, kwargs, argnums, has_aux
+        )
 
     def _get(
         self, params: Any, args: Args, kwargs: Kwargs, grad_of: tuple[int, ...] | None, has_aux: bool | None

@@ -1,0 +1,343 @@
+"""torch.func transforms around a pipelined call in a process group.
+
+# NOTE [transforms in a group]
+In one process a transform sees every stage, so `grad(piped)` and `vmap(piped)` pass through the
+pipeline like any function. In a process group each rank holds only its stages, so a transform
+applied to one rank's programs would miss the others' part. Instead, at the call, fpipe reads the
+active torch.func interpreters (outermost first), unwraps the inputs level by level, computes the
+transformed result with ONE pipelined call of an equivalent plain function (same stages, same
+schedule, same ranks) and wraps the results back:
+- `grad` / `grad_and_value` / `vjp` of a scalar (a Grad level): `_Grad`, an autograd.Function
+  whose forward runs `fpipe.value_and_grad` of the pipeline one level down and whose backward
+  returns those gradients times the incoming cotangent;
+- `vmap(piped)` (a Vmap level): a pipeline of `torch.func.vmap(f)` whose microbatches cut the
+  vmapped dimension (`transforms_fns.Lift`, kind "vmap");
+- `vmap(grad(piped))` (per-sample gradients; ensembles over stacked parameters): `_Grad`'s
+  forward, vmapped by torch.func (`generate_vmap_rule`), meets the Vmap level and computes the
+  gradient of the sum of the per-example losses with respect to the batched inputs and to a zero
+  probe per example on each unbatched differentiated input (kind "per_sample"): exact.
+Every other stack of interpreters (jvp, grad of grad, nested vmap, vmap with randomness) is
+refused by name before any transfer (`check_stack`). Gradients come back as
+`fpipe.value_and_grad` computes them (on every rank that passes the input as a real tensor; a
+meta input gets zeros on the meta device).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch._C._functorch import TransformType
+from torch._functorch.pyfunctorch import (
+    retrieve_all_functorch_interpreters,
+    temporarily_clear_interpreter_stack,
+)
+
+from . import tree
+from .transforms_fns import Lift, lifted, probe
+
+__all__ = ["lifted_call"]
+
+SUPPORTED = {("Grad",), ("Vmap",), ("Vmap", "Grad")}  # around piped(...)
+SUPPORTED_VG = {("Vmap",)}  # around fpipe.value_and_grad(piped)(...)
+
+
+def lifted_call(piped: Any) -> Callable[..., Any] | None:
+    """The call of `piped` under the active torch.func transforms in a process group (None: no
+    transform is active, or every stage runs in this process)."""
+    if torch._C._functorch.peek_interpreter_stack() is None:
+        return None
+    g = piped._groups
+    if not (g.pp or g.dp or g.tp):
+        return None
+    return functools.partial(_call, piped)
+
+
+def check_stack(call: str, tp: bool, vg: bool = False) -> list[Any]:
+    """The active interpreters, outermost first, if fpipe distributes them exactly; else refused
+    (`vg`: around `fpipe.value_and_grad(piped)`, which only vmap may wrap)."""
+    stack = retrieve_all_functorch_interpreters()
+    kinds = tuple(i.key().name for i in stack)
+    if kinds not in (SUPPORTED_VG if vg else SUPPORTED) or tp:
+        names = " over ".join(k.lower() for k in kinds)
+        raise ValueError(
+            f"{call}: called under torch.func transforms ({names}, outermost first) in a process "
+            f"group{' with tensor parallelism' if tp else ''}; fpipe distributes exactly only grad / "
+            "grad_and_value / vjp of a scalar loss, vmap, and vmap over grad (per-sample "
+            "gradients, ensembles) of a pipeline without tensor parallelism (docs/guide/"
+            "transforms.md). Compute this one as fpipe.value_and_grad of a pipeline of the "
+            "transformed function (e.g. pipeline(lambda p, x: jvp(f, ...)))."
+        )
+    for i in stack:
+        if i.key() == TransformType.Vmap and i.randomness() != "error":
+            raise ValueError(
+                f"{call}: called under vmap(..., randomness={i.randomness()!r}) in a process group; "
+                "the pipeline cuts the batch into microbatches and cannot reproduce vmap's random "
+                "draws. Use randomness='error' (the default) with a function without random "
+                "operations (dropout off: model.eval())."
+            )
+    return stack
+
+
+class _Ctx:
+    """One transformed call: the pipeline and the structure of its arguments and outputs."""
+
+    def __init__(self, piped: Any, spec: Any, leaves: list[Any]) -> None:
+        self.piped, self.spec = piped, spec
+        self.is_tensor = tuple(isinstance(x, torch.Tensor) for x in leaves)
+        self.statics = tuple(x for x in leaves if not isinstance(x, torch.Tensor))
+        self.out_spec: Any = None
+        self.n_vals = 0
+        self.argnum: list[int] = []  # per tensor leaf: its argnum (0: params; -1: a keyword)
+
+    def rebuild(self, tensors: list[torch.Tensor]) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+        ten, stat = iter(tensors), iter(self.statics)
+        return tree.unflatten([next(ten) if t else next(stat) for t in self.is_tensor], self.spec)
+
+
+def _call(
+    piped: Any,
+    params: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    argnums: Any = None,
+    has_aux: bool = False,
+) -> Any:
+    """`piped(params, *args, **kwargs)`, or with `argnums` `fpipe.value_and_grad(piped, argnums)`'s
+    call, under the active transforms."""
+    check_stack(piped.cfg.call, piped._groups.tp is not None, argnums is not None)
+    leaves, spec = tree.flatten((params, args, kwargs))
+    ctx = _Ctx(piped, spec, leaves)
+    ctx.argnum = _argnum_of_tensors(params, args, kwargs)
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    if argnums is None:
+        outs = _solve(ctx, "value", tensors, None)
+        return tree.unflatten(list(outs[: ctx.n_vals]), ctx.out_spec)
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    outs = _solve(ctx, "vg", tensors, [a in nums for a in ctx.argnum])
+    value = tree.unflatten(list(outs[: ctx.n_vals]), ctx.out_spec)
+    grads = list(outs[ctx.n_vals :])
+    per_num = [_rebuild(ctx, tensors, grads, num) for num in nums]
+    return value, (per_num[0] if isinstance(argnums, int) else tuple(per_num))
+
+
+def _rebuild(ctx: _Ctx, tensors: list[torch.Tensor], grads: list[Any], num: int) -> Any:
+    """Argument `num`'s gradient pytree (None at its non-tensor leaves)."""
+    params, args, _ = ctx.rebuild(tensors)
+    arg = params if num == 0 else args[num - 1]
+    leaves, spec = tree.flatten(arg)
+    it = iter(g for g, a in zip(grads, ctx.argnum) if a == num)
+    return tree.unflatten([next(it) if isinstance(x, torch.Tensor) else None for x in leaves], spec)
+
+
+def _argnum_of_tensors(params: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[int]:
+    """For each tensor leaf of (params, args, kwargs): its argnum (0: params; -1: a keyword)."""
+    out = [0 for x in tree.flatten(params)[0] if isinstance(x, torch.Tensor)]
+    for k, a in enumerate(args):
+        out += [k + 1 for x in tree.flatten(a)[0] if isinstance(x, torch.Tensor)]
+    return out + [-1 for x in tree.flatten(kwargs)[0] if isinstance(x, torch.Tensor)]
+
+
+def _solve(ctx: _Ctx, mode: str, tensors: list[torch.Tensor], diff: list[bool] | None) -> tuple[Any, ...]:
+    """The outputs (and in mode "vg" the gradients) at the innermost active level."""
+    stack = retrieve_all_functorch_interpreters()
+    if not stack:
+        with temporarily_clear_interpreter_stack():
+            return _plain(ctx, mode, tensors, diff)
+    top = stack[-1]
+    if top.key() == TransformType.Grad:
+        level = top.level()
+        mine = [torch._C._functorch.maybe_get_level(t) == level for t in tensors]
+        return _Grad.apply(ctx, mine, *tensors)
+    return _vmapped(ctx, mode, tensors, diff, top)
+
+
+def _plain(ctx: _Ctx, mode: str, tensors: list[torch.Tensor], diff: list[bool] | None) -> tuple[Any, ...]:
+    piped = ctx.piped
+    params, args, kwargs = ctx.rebuild(tensors)
+    if mode == "value":
+        vals, ctx.out_spec = tree.flatten(piped._forward(params, args, kwargs))
+        ctx.n_vals = len(vals)
+        return tuple(vals)
+    assert diff is not None
+    nums = sorted({ctx.argnum[i] for i, d in enumerate(diff) if d})
+    if -1 in nums:
+        raise ValueError(
+            f"{piped.cfg.call}: a keyword argument is differentiated under torch.func in a process "
+            "group; fpipe differentiates positional arguments only. Pass it positionally."
+        )
+    value, grads = piped._value_and_grad(params, args, kwargs, tuple(nums), None)
+    vals, ctx.out_spec = tree.flatten(value)
+    ctx.n_vals = len(vals)
+    by_leaf = _grads_by_leaf(ctx, tensors, nums, grads)
+    return (*vals, *_complete(piped, tensors, diff, by_leaf))
+
+
+def _grads_by_leaf(
+    ctx: _Ctx, tensors: list[torch.Tensor], nums: list[int], grads: tuple[Any, ...]
+) -> list[torch.Tensor | None]:
+    """`value_and_grad`'s gradient pytrees, one entry per tensor leaf (None: not on this rank)."""
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    params = ctx.rebuild(tensors)[0]
+    for num, g in zip(nums, grads):
+        idx = [i for i, a in enumerate(ctx.argnum) if a == num]
+        if num == 0 and isinstance(params, dict) and isinstance(g, dict):
+            got = [g.get(k) for k, v in params.items() if isinstance(v, torch.Tensor)]
+        else:
+            got = tree.flatten(g)[0]
+        for i, x in zip(idx, got):
+            out[i] = x
+    return out
+
+
+def _complete(
+    piped: Any, tensors: list[torch.Tensor], diff: list[bool], grads: list[torch.Tensor | None]
+) -> list[torch.Tensor | None]:
+    """Each differentiated leaf's gradient on every rank that passes it as a real tensor (sent
+    by the lowest rank that has it; zeros where no stage reads it); zeros on the meta device for
+    a meta leaf; None for the others."""
+    pg = piped.pg
+    if pg is not None:
+        want = [
+            i for i, (t, g, d) in enumerate(zip(tensors, grads, diff)) if d and g is None and not t.is_meta
+        ]
+        have = [i for i, g in enumerate(grads) if g is not None]
+        seen = pg.gather_objects((want, have), piped.cfg.timeout, "agreeing which gradients to send")
+        for i in sorted({i for w, _ in seen for i in w}):
+            srcs = [r for r, (_, h) in enumerate(seen) if i in h]
+            if not srcs:
+                grads[i] = torch.zeros_like(tensors[i]) if i in want else None
+                continue
+            g = grads[i]
+            buf = (
+                g.contiguous()
+                if pg.rank == srcs[0] and g is not None
+                else torch.empty_like(tensors[i], device=pg.device)
+            )
+            got = pg.broadcast(buf, srcs[0], piped.cfg.timeout, f"receiving a gradient from rank {srcs[0]}")
+            grads[i] = got if i in want else grads[i]
+    out: list[torch.Tensor | None] = []
+    for t, g, d in zip(tensors, grads, diff):
+        if d and t.is_meta:
+            g = torch.zeros(g.shape if g is not None else t.shape, dtype=t.dtype, device="meta")
+        out.append(g if d else None)
+    return out
+
+
+class _Grad(torch.autograd.Function):
+    """A pipelined call under a Grad level: the value, with the gradients computed by the
+    pipeline one level down; backward scales them by the cotangent of the (scalar) value."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(ctx_: Any, diff: list[bool], *tensors: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        out = _solve(ctx_, "vg", list(tensors), diff)
+        return tuple(torch.zeros(()) if g is None else g for g in out)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
+        c, diff = inputs[0], inputs[1]
+        ctx.c, ctx.diff = c, diff
+        ctx.set_materialize_grads(False)
+        grads = output[c.n_vals :]
+        ctx.save_for_backward(*[g if d else None for g, d in zip(grads, diff)])
+        ctx.mark_non_differentiable(*[g for g, d in zip(grads, diff) if not d])
+
+    @staticmethod
+    def backward(ctx: Any, *gouts: Any) -> tuple[Any, ...]:  # type: ignore[override]
+        c = ctx.c
+        if any(g is not None for g in gouts[1:]):
+            raise ValueError(
+                f"{c.piped.cfg.call}: differentiated with respect to an output other than the first "
+                "(a vjp of several outputs, an aux output, or a gradient of the gradients) under "
+                "torch.func in a process group; fpipe differentiates the scalar loss only. Use "
+                "fpipe.value_and_grad of a pipeline of the function you differentiate."
+            )
+        ct = gouts[0]
+        saved = ctx.saved_tensors
+        grads = [None if (s is None or ct is None) else s * ct for s in saved]
+        return (None, None, *grads)
+
+
+def _vmapped(
+    ctx: _Ctx, mode: str, tensors: list[torch.Tensor], diff: list[bool] | None, interp: Any
+) -> tuple[Any, ...]:
+    """A Vmap level: one pipelined call of the lifted function (kind "vmap" or "per_sample")."""
+    level, batch = interp.level(), interp.batch_size()
+    call = ctx.piped.cfg.call
+    m = ctx.piped.cfg.microbatches * 1
+    if batch % ctx.piped.cfg.microbatches:
+        raise ValueError(
+            f"{call}: vmap over {batch} examples, which microbatches={m} do not divide; the pipeline "
+            f"cuts the vmapped dimension into microbatches. Use a batch that is a multiple of {m}."
+        )
+    plain, batched = [], []
+    for t in tensors:
+        v, bdim = torch._C._functorch._unwrap_batched(t, level)
+        batched.append(bdim is not None)
+        plain.append(v.movedim(bdim, 0) if bdim is not None else v)
+    n_p = sum(1 for a in ctx.argnum if a == 0)
+    kind = "vmap" if mode == "value" else "per_sample"
+    probed = tuple(i for i, (b, d) in enumerate(zip(batched, diff or [])) if d and not b)
+    source = tuple("b" if b else ("p" if i < n_p else "w") for i, b in enumerate(batched))
+    lift = Lift(kind, ctx.spec, ctx.statics, ctx.is_tensor, source, probed)
+    pipe = _lifted_pipeline(ctx.piped, kind)
+    dev = ctx.piped.pg.device if ctx.piped.pg is not None else torch.device("cpu")
+    params = tuple(x for x, s in zip(plain, source) if s == "p")
+    whole = tuple(x for x, s in zip(plain, source) if s == "w")
+    probes = tuple(probe(plain[i], batch, dev) for i in probed)
+    split = tuple(x for x, s in zip(plain, source) if s == "b") + probes
+    with temporarily_clear_interpreter_stack():
+        if kind == "vmap":
+            vals, ctx.out_spec = tree.flatten(pipe._forward(params, (lift, split, whole), {}))
+            grads: list[Any] = []
+        else:
+            value, (g_split,) = pipe._value_and_grad(params, (lift, split, whole), {}, (2,), True)
+            vals, ctx.out_spec = tree.flatten(value[1])
+            grads = _per_example_grads(tensors, plain, batched, probed, list(g_split), diff or [])
+        ctx.piped._last = pipe._last
+    ctx.n_vals = len(vals)
+    wrap = torch._C._functorch._add_batch_dim
+    return (*[wrap(v, 0, level) for v in vals], *[None if g is None else wrap(g, 0, level) for g in grads])
+
+
+def _per_example_grads(
+    tensors: list[torch.Tensor],
+    plain: list[torch.Tensor],
+    batched: list[bool],
+    probed: tuple[int, ...],
+    g_split: list[torch.Tensor],
+    diff: list[bool],
+) -> list[torch.Tensor | None]:
+    """Each differentiated leaf's per-example gradient (batch first): a batched leaf's own
+    gradient, an unbatched one's probe's; zeros on the meta device for a meta leaf."""
+    n_b = sum(batched)
+    split_of = {i: k for k, i in enumerate(i for i, b in enumerate(batched) if b)}
+    out: list[torch.Tensor | None] = []
+    for i, d in enumerate(diff):
+        g = None
+        if d:
+            g = g_split[split_of[i]] if batched[i] else g_split[n_b + probed.index(i)]
+            if plain[i].is_meta:
+                g = torch.zeros(g.shape, dtype=g.dtype, device="meta")
+        out.append(g)
+    return out
+
+
+def _lifted_pipeline(piped: Any, kind: str) -> Any:
+    """The pipeline of the lifted function of `kind`: piped's settings, its process groups; the
+    microbatches cut the batch (dim 0 of `batched`). Its traces are keyed by `Lift` (a static)."""
+    import dataclasses
+
+    pipes = piped.__dict__.setdefault("_lifted", {})
+    if kind not in pipes:
+        cfg = piped.cfg
+        settings = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "f"}
+        settings.update(in_axes=(None, 0, None), out_axes=0 if kind == "vmap" else ("sum", 0))
+        new = type(piped)(lifted(cfg.f, kind), **settings)
+        new.__dict__["_groups"] = piped._groups
+        pipes[kind] = new
+    return pipes[kind]

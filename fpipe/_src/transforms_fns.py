@@ -1,0 +1,78 @@
+"""The plain functions a transformed pipelined call is computed by (NOTE [transforms in a group]
+in transforms.py).
+
+`Lift` is a hashable description of one transformed call: where each tensor leaf of the user's
+`(params, args, kwargs)` goes (kept a parameter, cut with the batch, passed whole) and which
+leaves get a per-example gradient probe. It is passed to the lifted function as a non-tensor
+argument, so the trace key holds it like any static argument (NOTE [trace key]): one lifted
+pipeline per kind, one trace per (description, signature), through the compiler's one cache.
+
+The lifted function runs the user's function per example under `torch.func.vmap`:
+- "vmap": returns the batched outputs (concatenated over microbatches along the batch);
+- "per_sample": returns `(sum of the per-example losses, the per-example outputs)`; the
+  gradient of the sum with respect to the batched inputs, and to a zero probe `z` added to each
+  unbatched differentiated input (`p + z[b]` for example b), is exactly each example's gradient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import tree
+from .config import fn_name
+
+
+@dataclasses.dataclass(frozen=True)
+class Lift:
+    """One transformed call: its kind, the user's structure, and where each tensor leaf goes."""
+
+    kind: str  # "vmap" or "per_sample"
+    spec: Any  # the treespec of (params, args, kwargs)
+    statics: tuple[Any, ...]  # the non-tensor leaves, in order
+    is_tensor: tuple[bool, ...]
+    source: tuple[str, ...]  # per tensor leaf: "p" (a parameter), "b" (batched), "w" (whole)
+    probed: tuple[int, ...]  # tensor leaves that get a per-example probe (per_sample)
+    randomness: str = "error"
+
+    def __repr__(self) -> str:  # the same on every rank (the signature digest reads it)
+        return f"Lift({self.kind}, {self.spec}, {self.statics}, {self.source}, {self.probed})"
+
+    def run(
+        self, f: Callable[..., Any], params: tuple[Any, ...], batched: tuple[Any, ...], whole: tuple[Any, ...]
+    ) -> Any:
+        n_b = len(batched) - len(self.probed)
+
+        def one(*b: torch.Tensor) -> Any:
+            src = {"p": iter(params), "b": iter(b[:n_b]), "w": iter(whole)}
+            tensors = [next(src[s]) for s in self.source]
+            for k, i in enumerate(self.probed):
+                tensors[i] = tensors[i] + b[n_b + k]
+            stat, ten = iter(self.statics), iter(tensors)
+            leaves = [next(ten) if t else next(stat) for t in self.is_tensor]
+            p, args, kwargs = tree.unflatten(leaves, self.spec)
+            return f(p, *args, **kwargs)
+
+        vals = torch.func.vmap(one, randomness=self.randomness)(*batched)
+        if self.kind == "vmap":
+            return vals
+        loss = tree.flatten(vals)[0][0]
+        return loss.sum(), vals
+
+
+def lifted(f: Callable[..., Any], kind: str) -> Callable[..., Any]:
+    """The pipelined function of one kind of transformed call: `(params, lift, batched, whole)`."""
+
+    def run(params: tuple[Any, ...], lift: Lift, batched: tuple[Any, ...], whole: tuple[Any, ...]) -> Any:
+        return lift.run(f, params, batched, whole)
+
+    run.__name__ = f"{'vmap' if kind == 'vmap' else 'vmap(grad)'}({fn_name(f)})"
+    return run
+
+
+def probe(t: torch.Tensor, batch: int, device: torch.device) -> torch.Tensor:
+    """A zero per example, shaped like `t` (a view of one zero: no memory)."""
+    return torch.zeros((), dtype=t.dtype, device=device).expand(batch, *t.shape)

@@ -1,0 +1,142 @@
+"""torch.func transforms around a pipelined call in a process group (NOTE [transforms in a
+group]), run inside existing launches: `trust_dist_worker` (2 ranks: pp=2 with 1F1B, ZB-H1 and
+interleaved-1F1B over 4 stages) and its --mesh cases in the 4-rank launch (dp=2 x pp=2, and
+pp=4). Each case's result on this rank against the unsplit function under torch.func (fp64):
+the max abs error over every leaf, and the stages this rank ran. tests/test_transforms_dist.py
+asserts on the records.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import fpipe
+
+D = 3
+
+
+def chain(stages: int) -> Callable[..., torch.Tensor]:
+    """An MLP of `stages` layers with a boundary after each but the last; a mean-squared loss."""
+
+    def f(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = x
+        for i in range(stages):
+            h = torch.tanh(h @ p[f"w{i}"] + p[f"b{i}"])
+            h = fpipe.stage_boundary(h) if i < stages - 1 else h
+        return F.mse_loss(h, y)
+
+    f.__name__ = f"chain{stages}"
+    return f
+
+
+def data(stages: int, batch: int, seed: int) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    p = {}
+    for i in range(stages):
+        p[f"w{i}"] = torch.randn(D, D, generator=g, dtype=torch.float64)
+        p[f"b{i}"] = torch.randn(D, generator=g, dtype=torch.float64)
+    x = torch.randn(batch, D, generator=g, dtype=torch.float64)
+    return p, x, torch.randn(batch, D, generator=g, dtype=torch.float64)
+
+
+def _err(got: Any, want: Any) -> float:
+    a, _ = torch.utils._pytree.tree_flatten(got)
+    b, _ = torch.utils._pytree.tree_flatten(want)
+    assert len(a) == len(b), (len(a), len(b))
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+def cases(
+    piped: fpipe.Pipelined, stages: int, dp: int | None = None, n: int = 2, batch: int = 8
+) -> dict[str, Any]:
+    """Every supported transform of `piped` (of `chain(stages)`) against the unsplit function.
+    On a dp mesh (`dp`: this replica of `n`), the rank passes its slice of the batch: `grad` is the whole
+    batch's (as fpipe.value_and_grad), batched results are the replica's examples."""
+    f = chain(stages)
+    p, x, y = data(stages, batch, 7)
+    mx, my = (x, y) if dp is None else (x.chunk(n)[dp], y.chunk(n)[dp])
+    grad, vmap = torch.func.grad, torch.func.vmap
+    ens = {k: torch.stack([v, 2 * v]) for k, v in p.items()}
+    ct = torch.tensor(0.7, dtype=torch.float64)
+    runs: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
+        "grad": (lambda: grad(piped)(p, mx, my), lambda: grad(f)(p, x, y)),
+        "grad_and_value": (
+            lambda: torch.func.grad_and_value(piped, argnums=(0, 1))(p, mx, my),
+            lambda: _gv_ref(f, p, x, y, dp, n),
+        ),
+        "vjp": (
+            lambda: torch.func.vjp(piped, p, mx, my)[1](ct)[0],
+            lambda: torch.func.vjp(f, p, x, y)[1](ct)[0],
+        ),
+        "vmap": (
+            lambda: vmap(piped, in_dims=(None, 0, 0))(p, mx, my),
+            lambda: vmap(f, in_dims=(None, 0, 0))(p, mx, my),
+        ),
+        "per_sample": (
+            lambda: vmap(torch.func.grad_and_value(piped), in_dims=(None, 0, 0))(p, mx, my),
+            lambda: vmap(torch.func.grad_and_value(f), in_dims=(None, 0, 0))(p, mx, my),
+        ),
+        "ensemble": (
+            lambda: vmap(piped, in_dims=(0, None, None))(ens, mx, my),
+            lambda: vmap(f, in_dims=(0, None, None))(ens, mx, my),
+        ),
+        "ensemble_fpipe_grad": (
+            lambda: vmap(fpipe.grad(piped), in_dims=(0, None, None))(ens, mx, my),
+            lambda: vmap(grad(f), in_dims=(0, None, None))(ens, mx, my),
+        ),
+    }
+    out: dict[str, Any] = {}
+    for name, (got, want) in runs.items():
+        try:
+            out[name] = {"err": _err(got(), want()), "stages": piped.local_stages}
+        except Exception as err:  # recorded: the test names it
+            out[name] = {"error": f"{type(err).__name__}: {err}"}
+    out["refused"] = _refusals(piped, p, mx, my)
+    return out
+
+
+def _gv_ref(f: Callable[..., Any], p: Any, x: torch.Tensor, y: torch.Tensor, dp: int | None, n: int) -> Any:
+    (gp, gx), v = torch.func.grad_and_value(f, argnums=(0, 1))(p, x, y)
+    return (gp, gx if dp is None else gx.chunk(n)[dp]), v
+
+
+def _refusals(piped: fpipe.Pipelined, p: Any, x: torch.Tensor, y: torch.Tensor) -> dict[str, str]:
+    """Transforms fpipe does not distribute: the error each raises (before any transfer)."""
+    calls = {
+        "jvp": lambda: torch.func.jvp(lambda q: piped(q, x, y), (p,), (p,)),
+        "grad_of_grad": lambda: torch.func.grad(lambda q: _sq(torch.func.grad(piped)(q, x, y)))(p),
+        "vmap_randomness": lambda: torch.func.vmap(piped, in_dims=(None, 0, 0), randomness="different")(
+            p, x, y
+        ),
+    }
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = "not refused"
+        except ValueError as err:
+            out[name] = str(err)
+    return out
+
+
+def _sq(g: dict[str, torch.Tensor]) -> torch.Tensor:
+    return sum((v**2).sum() for v in g.values())  # type: ignore[return-value]
+
+
+def run_pp(timeout: float = 60.0) -> dict[str, Any]:
+    """On the whole group as one pipeline: 2 stages with 1F1B and ZB-H1, 4 stages interleaved
+    (on 2 ranks), or 4 stages 1F1B (on 4 ranks)."""
+    world = torch.distributed.get_world_size()
+    rec: dict[str, Any] = {}
+    if world == 2:
+        for sched in ("1f1b", "zb-h1"):
+            rec[sched] = cases(fpipe.pipeline(chain(2), microbatches=2, schedule=sched, timeout=timeout), 2)
+        interleaved = fpipe.pipeline(chain(4), microbatches=2, schedule="interleaved-1f1b", timeout=timeout)
+        rec["interleaved-1f1b"] = cases(interleaved, 4)
+    else:
+        rec["1f1b"] = cases(fpipe.pipeline(chain(4), microbatches=2, timeout=timeout), 4)
+    return rec

@@ -15,7 +15,17 @@ import pytest
 from dist_launch import read_json, report
 
 TOL = 1e-12
-CASES = ["grad", "grad_and_value", "vjp", "vmap", "per_sample", "ensemble", "ensemble_fpipe_grad"]
+CASES = [
+    "grad",
+    "grad_and_value",
+    "vjp",
+    "vmap",
+    "per_sample",
+    "ensemble",
+    "ensemble_fpipe_grad",
+    "jvp",
+    "hvp",
+]
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +78,8 @@ def test_transforms_on_replicas_alone(four, case):
 @pytest.mark.parametrize(
     "name, says",
     [
-        ("jvp", "called under torch.func transforms (jvp, outermost first) in a process group"),
+        ("jacrev", "called under torch.func transforms (grad over vmap, outermost first) in a process group"),
+        ("vmap_jvp", "(vmap over jvp, outermost first)"),
         ("grad_of_grad", "(grad over grad, outermost first)"),
         ("vmap_randomness", "called under vmap(..., randomness='different') in a process group"),
     ],

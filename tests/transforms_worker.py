@@ -12,7 +12,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 import fpipe
 
@@ -20,14 +19,14 @@ D = 3
 
 
 def chain(stages: int) -> Callable[..., torch.Tensor]:
-    """An MLP of `stages` layers with a boundary after each but the last; a mean-squared loss."""
+    """An MLP of `stages` layers with a boundary after each but the last; a mean-squared error."""
 
     def f(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         h = x
         for i in range(stages):
             h = torch.tanh(h @ p[f"w{i}"] + p[f"b{i}"])
             h = fpipe.stage_boundary(h) if i < stages - 1 else h
-        return F.mse_loss(h, y)
+        return ((h - y) ** 2).mean()  # (F.mse_loss's double derivative fails under jvp of grad on torch 2.13)
 
     f.__name__ = f"chain{stages}"
     return f
@@ -62,6 +61,8 @@ def cases(
     grad, vmap = torch.func.grad, torch.func.vmap
     ens = {k: torch.stack([v, 2 * v]) for k, v in p.items()}
     ct = torch.tensor(0.7, dtype=torch.float64)
+    v = {k: torch.sin(t) for k, t in p.items()}  # tangents
+    vx = torch.cos(mx)
     runs: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
         "grad": (lambda: grad(piped)(p, mx, my), lambda: grad(f)(p, x, y)),
         "grad_and_value": (
@@ -88,6 +89,14 @@ def cases(
             lambda: vmap(fpipe.grad(piped), in_dims=(0, None, None))(ens, mx, my),
             lambda: vmap(grad(f), in_dims=(0, None, None))(ens, mx, my),
         ),
+        "jvp": (
+            lambda: torch.func.jvp(piped, (p, mx, my), (v, vx, 0 * my)),
+            lambda: _jvp_ref(f, p, x, y, v, vx, dp, n),
+        ),
+        "hvp": (
+            lambda: torch.func.jvp(lambda q: grad(piped)(q, mx, my), (p,), (v,)),
+            lambda: torch.func.jvp(lambda q: grad(f)(q, x, y), (p,), (v,)),
+        ),
     }
     out: dict[str, Any] = {}
     for name, (got, want) in runs.items():
@@ -104,10 +113,21 @@ def _gv_ref(f: Callable[..., Any], p: Any, x: torch.Tensor, y: torch.Tensor, dp:
     return (gp, gx if dp is None else gx.chunk(n)[dp]), v
 
 
+def _jvp_ref(f: Any, p: Any, x: Any, y: Any, v: Any, vx: Any, dp: int | None, n: int) -> Any:
+    """jvp over the whole batch: the replica's tangent of x is its slice of the whole one."""
+    tx = vx if dp is None else torch.cat([vx if k == dp else torch.zeros_like(vx) for k in range(n)])
+    return torch.func.jvp(f, (p, x, y), (v, tx, 0 * y))
+
+
 def _refusals(piped: fpipe.Pipelined, p: Any, x: torch.Tensor, y: torch.Tensor) -> dict[str, str]:
     """Transforms fpipe does not distribute: the error each raises (before any transfer)."""
     calls = {
-        "jvp": lambda: torch.func.jvp(lambda q: piped(q, x, y), (p,), (p,)),
+        "jacrev": lambda: torch.func.jacrev(lambda q: torch.func.vmap(piped, in_dims=(None, 0, 0))(q, x, y))(
+            p
+        ),
+        "vmap_jvp": lambda: torch.func.vmap(lambda xb: torch.func.jvp(lambda q: piped(q, xb, y), (p,), (p,)))(
+            x[None]
+        ),
         "grad_of_grad": lambda: torch.func.grad(lambda q: _sq(torch.func.grad(piped)(q, x, y)))(p),
         "vmap_randomness": lambda: torch.func.vmap(piped, in_dims=(None, 0, 0), randomness="different")(
             p, x, y

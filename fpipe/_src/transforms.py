@@ -35,12 +35,13 @@ from torch._functorch.pyfunctorch import (
     temporarily_clear_interpreter_stack,
 )
 
+from . import inputs as inputs_
 from . import tree
-from .transforms_fns import Lift, lifted, probe
+from .transforms_fns import Lift, jvp_lifted, lifted, probe
 
 __all__ = ["lifted_call"]
 
-SUPPORTED = {("Grad",), ("Vmap",), ("Vmap", "Grad")}  # around piped(...)
+SUPPORTED = {("Grad",), ("Vmap",), ("Vmap", "Grad"), ("Jvp",), ("Jvp", "Grad")}  # around piped(...)
 SUPPORTED_VG = {("Vmap",)}  # around fpipe.value_and_grad(piped)(...)
 
 
@@ -73,7 +74,8 @@ def check_stack(call: str, tp: bool, vg: bool = False) -> list[Any]:
     for i in stack:
         if i.key() == TransformType.Vmap and i.randomness() != "error":
             raise ValueError(
-                f"{call}: called under vmap(..., randomness={i.randomness()!r}) in a process group; "
+                f"{call}: called under vmap(..., randomness={i.randomness()!r}) in a "
+                "process group; "
                 "the pipeline cuts the batch into microbatches and cannot reproduce vmap's random "
                 "draws. Use randomness='error' (the default) with a function without random "
                 "operations (dropout off: model.eval())."
@@ -149,8 +151,11 @@ def _solve(ctx: _Ctx, mode: str, tensors: list[torch.Tensor], diff: list[bool] |
     top = stack[-1]
     if top.key() == TransformType.Grad:
         level = top.level()
-        mine = [torch._C._functorch.maybe_get_level(t) == level for t in tensors]
+        # grad wraps every argument at its level; those it differentiates require grad there
+        mine = [torch._C._functorch.maybe_get_level(t) == level and t.requires_grad for t in tensors]
         return _Grad.apply(ctx, mine, *tensors)
+    if top.key() == TransformType.Jvp:
+        return _Jvp.apply(ctx, *tensors)
     return _vmapped(ctx, mode, tensors, diff, top)
 
 
@@ -198,32 +203,35 @@ def _complete(
     """Each differentiated leaf's gradient on every rank that passes it as a real tensor (sent
     by the lowest rank that has it; zeros where no stage reads it); zeros on the meta device for
     a meta leaf; None for the others."""
-    pg = piped.pg
-    if pg is not None:
-        want = [
-            i for i, (t, g, d) in enumerate(zip(tensors, grads, diff)) if d and g is None and not t.is_meta
-        ]
-        have = [i for i, g in enumerate(grads) if g is not None]
-        seen = pg.gather_objects((want, have), piped.cfg.timeout, "agreeing which gradients to send")
-        for i in sorted({i for w, _ in seen for i in w}):
-            srcs = [r for r, (_, h) in enumerate(seen) if i in h]
-            if not srcs:
-                grads[i] = torch.zeros_like(tensors[i]) if i in want else None
-                continue
-            g = grads[i]
-            buf = (
-                g.contiguous()
-                if pg.rank == srcs[0] and g is not None
-                else torch.empty_like(tensors[i], device=pg.device)
-            )
-            got = pg.broadcast(buf, srcs[0], piped.cfg.timeout, f"receiving a gradient from rank {srcs[0]}")
-            grads[i] = got if i in want else grads[i]
+    if piped.pg is not None:
+        with temporarily_clear_interpreter_stack():  # (from a jvp rule: the Jvp level is active)
+            _fetch(piped, tensors, diff, grads)
     out: list[torch.Tensor | None] = []
     for t, g, d in zip(tensors, grads, diff):
         if d and t.is_meta:
             g = torch.zeros(g.shape if g is not None else t.shape, dtype=t.dtype, device="meta")
         out.append(g if d else None)
     return out
+
+
+def _fetch(
+    piped: Any, tensors: list[torch.Tensor], diff: list[bool], grads: list[torch.Tensor | None]
+) -> None:
+    """Fill in `grads` (in place) where this rank passes a real input its stages do not read."""
+    pg, timeout = piped.pg, piped.cfg.timeout
+    want = [i for i, (t, g, d) in enumerate(zip(tensors, grads, diff)) if d and g is None and not t.is_meta]
+    have = [i for i, g in enumerate(grads) if g is not None]
+    seen = pg.gather_objects((want, have), timeout, "agreeing which gradients to send")
+    for i in sorted({i for w, _ in seen for i in w}):
+        srcs = [r for r, (_, h) in enumerate(seen) if i in h]
+        g = grads[i]
+        if not srcs:  # no stage reads it: its gradient is zero
+            grads[i] = torch.zeros_like(tensors[i]) if i in want else g
+            continue
+        mine = pg.rank == srcs[0] and g is not None
+        buf = g.contiguous() if mine and g is not None else torch.empty_like(tensors[i], device=pg.device)
+        got = pg.broadcast(buf, srcs[0], timeout, f"receiving a gradient from rank {srcs[0]}")
+        grads[i] = got if i in want else g
 
 
 class _Grad(torch.autograd.Function):
@@ -244,6 +252,7 @@ class _Grad(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         grads = output[c.n_vals :]
         ctx.save_for_backward(*[g if d else None for g, d in zip(grads, diff)])
+        ctx.primals = inputs[2:]
         ctx.mark_non_differentiable(*[g for g, d in zip(grads, diff) if not d])
 
     @staticmethod
@@ -260,6 +269,77 @@ class _Grad(torch.autograd.Function):
         saved = ctx.saved_tensors
         grads = [None if (s is None or ct is None) else s * ct for s in saved]
         return (None, None, *grads)
+
+    @staticmethod
+    def jvp(ctx: Any, _c: Any, _diff: Any, *tangents: Any) -> tuple[Any, ...]:
+        """jvp over grad: the tangent of the loss and the Hessian-vector products."""
+        c, diff = ctx.c, ctx.diff
+        if any(d and a != 0 for d, a in zip(diff, c.argnum)):
+            raise ValueError(
+                f"{c.piped.cfg.call}: jvp over grad with respect to an argument other than the "
+                "params in a process group; fpipe computes Hessian-vector products for the params "
+                "(argnums=0). Differentiate with respect to the params."
+            )
+        primals = [_peel(p) for p in ctx.primals]
+        tangent, hvp = _forward_mode(c, "hvp", primals, list(tangents))
+        by_leaf = _grads_by_leaf(c, primals, [0], (hvp,))
+        return (tangent, *_complete(c.piped, primals, diff, by_leaf))
+
+
+class _Jvp(torch.autograd.Function):
+    """A pipelined call under a Jvp level: the value one level down; its tangent from one
+    pipelined call of `jvp(f)` (a second call: the tangents arrive after the forward)."""
+
+    @staticmethod
+    def forward(ctx_: Any, *tensors: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        return _solve(ctx_, "value", list(tensors), None)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
+        ctx.c, ctx.primals = inputs[0], inputs[1:]
+
+    @staticmethod
+    def jvp(ctx: Any, _c: Any, *tangents: Any) -> tuple[Any, ...]:
+        _, tangent = _forward_mode(ctx.c, "jvp", list(ctx.primals), list(tangents))
+        return tuple(tree.flatten(tangent)[0])
+
+    @staticmethod
+    def backward(ctx: Any, *gouts: Any) -> Any:  # type: ignore[override]
+        raise AssertionError("unreachable: _Jvp is only applied under a Jvp level")
+
+
+def _forward_mode(ctx: _Ctx, kind: str, primals: list[torch.Tensor], tangents: list[Any]) -> tuple[Any, Any]:
+    """One pipelined call of `jvp(f)` (kind "jvp": outputs and tangents) or of the gradient of
+    its tangent (kind "hvp": the loss's tangent and the params' Hessian-vector products)."""
+    primals = [_peel(p) for p in primals]  # setup_context saw them wrapped at the Jvp level
+    tangents = [_tangent(p, t) for p, t in zip(primals, tangents)]
+    with temporarily_clear_interpreter_stack():
+        params, args, kwargs = ctx.rebuild(primals)
+        axes = inputs_.flatten(ctx.piped.cfg, params, args, kwargs).axes
+        n_p = len(primals) - len(axes)
+        full = [None] * n_p + list(axes)
+        source = tuple("p" if i < n_p else ("w" if full[i] is None else "b") for i in range(len(primals)))
+        lift = Lift(kind, ctx.spec, ctx.statics, ctx.is_tensor, source, (), axes=tuple(full))
+
+        def parts(xs: list[torch.Tensor]) -> tuple[Any, ...]:
+            p = tree.unflatten(xs[:n_p], tree.flatten(params)[1])
+            split = tuple(x.movedim(full[i], 0) for i, x in enumerate(xs) if source[i] == "b")
+            return p, split, tuple(x for i, x in enumerate(xs) if source[i] == "w")
+
+        p, split, whole = parts(primals)
+        targs = parts(tangents)
+        reductions = _reductions(ctx.piped, params, args, kwargs)
+        pipe = _lifted_pipeline(
+            ctx.piped, kind, reductions if kind == "jvp" else tree.flatten(reductions)[0][0]
+        )
+        if kind == "jvp":
+            out, tangent = pipe._forward(p, (lift, split, whole, *targs), {})
+        else:
+            out, tangent = pipe._value_and_grad(p, (lift, split, whole, *targs), {}, 0, False)
+        ctx.piped._last = pipe._last
+    if kind == "jvp":
+        ctx.out_spec, ctx.n_vals = tree.flatten(out)[1], len(tree.flatten(out)[0])
+    return out, tangent
 
 
 def _vmapped(
@@ -327,17 +407,46 @@ def _per_example_grads(
     return out
 
 
-def _lifted_pipeline(piped: Any, kind: str) -> Any:
+def _tangent(primal: torch.Tensor, t: torch.Tensor | None) -> torch.Tensor:
+    """A tangent as a plain tensor (forward AD passes a zero one as None or as an immutable
+    ZeroTensor, which no transfer may write)."""
+    t = None if t is None else _peel(t)
+    return torch.zeros_like(primal) if t is None or t._is_zerotensor() else t
+
+
+def _peel(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor under a tensor's torch.func wrappers."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(t):
+        t = torch._C._functorch.get_unwrapped(t)
+    return t
+
+
+def _reductions(piped: Any, params: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """How the function's outputs combine over microbatches (its compiled plan's, a pytree like
+    its outputs): a tangent combines as its output does."""
+    _, _, c = piped._get(params, args, kwargs, None, False)
+    return tree.unflatten(list(c.reductions[: c.staged.n_outs]), c.out_spec)
+
+
+def _lifted_pipeline(piped: Any, kind: str, reductions: Any = None) -> Any:
     """The pipeline of the lifted function of `kind`: piped's settings, its process groups; the
-    microbatches cut the batch (dim 0 of `batched`). Its traces are keyed by `Lift` (a static)."""
+    microbatches cut the batch (dim 0 of `batched`). Its traces are keyed by `Lift` (a static);
+    a forward-mode one's outputs combine over microbatches as `reductions` say."""
     import dataclasses
 
     pipes = piped.__dict__.setdefault("_lifted", {})
-    if kind not in pipes:
+    key = (kind, repr(reductions))
+    if key not in pipes:
         cfg = piped.cfg
         settings = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "f"}
-        settings.update(in_axes=(None, 0, None), out_axes=0 if kind == "vmap" else ("sum", 0))
-        new = type(piped)(lifted(cfg.f, kind), **settings)
+        if kind in ("jvp", "hvp"):
+            outs = (reductions, reductions) if kind == "jvp" else reductions
+            settings.update(in_axes=(None, 0, None, None, 0, None), out_axes=outs)
+            fn = jvp_lifted(cfg.f, kind)
+        else:
+            settings.update(in_axes=(None, 0, None), out_axes=0 if kind == "vmap" else ("sum", 0))
+            fn = lifted(cfg.f, kind)
+        new = type(piped)(fn, **settings)
         new.__dict__["_groups"] = piped._groups
-        pipes[kind] = new
-    return pipes[kind]
+        pipes[key] = new
+    return pipes[key]

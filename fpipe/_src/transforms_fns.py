@@ -30,13 +30,25 @@ from .config import fn_name
 class Lift:
     """One transformed call: its kind, the user's structure, and where each tensor leaf goes."""
 
-    kind: str  # "vmap" or "per_sample"
+    kind: str  # "vmap", "per_sample", "jvp" or "hvp"
     spec: Any  # the treespec of (params, args, kwargs)
     statics: tuple[Any, ...]  # the non-tensor leaves, in order
     is_tensor: tuple[bool, ...]
     source: tuple[str, ...]  # per tensor leaf: "p" (a parameter), "b" (batched), "w" (whole)
     probed: tuple[int, ...]  # tensor leaves that get a per-example probe (per_sample)
     randomness: str = "error"
+    axes: tuple[int | None, ...] = ()  # per tensor leaf: its microbatch split axis ("jvp", "hvp")
+
+    def data(self, split: Any, whole: Any) -> list[torch.Tensor]:
+        """The data leaves in order, each split one with its split axis back in place."""
+        s, w = iter(split), iter(whole)
+        out = []
+        for src, axis in zip(self.source, self.axes):
+            if src == "b":
+                out.append(next(s).movedim(0, axis))
+            elif src == "w":
+                out.append(next(w))
+        return out
 
     def __repr__(self) -> str:  # the same on every rank (the signature digest reads it)
         return f"Lift({self.kind}, {self.spec}, {self.statics}, {self.source}, {self.probed})"
@@ -60,6 +72,13 @@ class Lift:
         if self.kind == "vmap":
             return vals
         loss = tree.flatten(vals)[0][0]
+        if loss.dim() != 1:
+            raise ValueError(
+                f"vmap over grad of {fn_name(f)} in a process group: each example's output has shape "
+                f"{tuple(loss.shape[1:])}, not a scalar; fpipe differentiates a scalar loss per "
+                "example (a vjp or jacrev of a batched output is not distributed). Reduce the "
+                "output to a scalar, or use fpipe.value_and_grad of a pipeline of that function."
+            )
         return loss.sum(), vals
 
 
@@ -70,6 +89,33 @@ def lifted(f: Callable[..., Any], kind: str) -> Callable[..., Any]:
         return lift.run(f, params, batched, whole)
 
     run.__name__ = f"{'vmap' if kind == 'vmap' else 'vmap(grad)'}({fn_name(f)})"
+    return run
+
+
+def jvp_lifted(f: Callable[..., Any], kind: str) -> Callable[..., Any]:
+    """The pipelined function of a forward-mode call, `(params, lift, split, whole, tparams,
+    tsplit, twhole)` (split leaves and their tangents: split axis moved to dim 0) -> kind "jvp":
+    (outputs, their tangents); kind "hvp": the tangent of the scalar loss, whose gradient with
+    respect to the params is the Hessian-vector product (reverse over forward)."""
+
+    def run(params: Any, lift: Lift, split: Any, whole: Any, tparams: Any, tsplit: Any, twhole: Any) -> Any:
+        data, tdata = lift.data(split, whole), lift.data(tsplit, twhole)
+        fl = [i for i, d in enumerate(data) if d.is_floating_point() or d.is_complex()]
+
+        def g(p: Any, fdata: tuple[Any, ...]) -> Any:
+            d = list(data)
+            for i, x in zip(fl, fdata):
+                d[i] = x
+            stat, ten = iter(lift.statics), iter([*tree.flatten(p)[0], *d])
+            leaves = [next(ten) if t else next(stat) for t in lift.is_tensor]
+            q, args, kwargs = tree.unflatten(leaves, lift.spec)
+            return f(q, *args, **kwargs)
+
+        primals = (params, tuple(data[i] for i in fl))
+        out, tangent = torch.func.jvp(g, primals, (tparams, tuple(tdata[i] for i in fl)))
+        return (out, tangent) if kind == "jvp" else tangent
+
+    run.__name__ = f"{kind}({fn_name(f)})"
     return run
 
 

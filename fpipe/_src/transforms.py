@@ -66,16 +66,17 @@ def check_stack(call: str, tp: bool, vg: bool = False) -> list[Any]:
         raise ValueError(
             f"{call}: called under torch.func transforms ({names}, outermost first) in a process "
             f"group{' with tensor parallelism' if tp else ''}; fpipe distributes exactly only grad / "
-            "grad_and_value / vjp of a scalar loss, vmap, and vmap over grad (per-sample "
-            "gradients, ensembles) of a pipeline without tensor parallelism (docs/guide/"
+            "grad_and_value / vjp of a scalar loss, vmap, vmap over grad (per-sample gradients, "
+            "ensembles), jvp and jvp over grad (Hessian-vector products), and vmap around "
+            "fpipe.value_and_grad, of a pipeline without tensor parallelism (docs/guide/"
             "transforms.md). Compute this one as fpipe.value_and_grad of a pipeline of the "
             "transformed function (e.g. pipeline(lambda p, x: jvp(f, ...)))."
         )
     for i in stack:
-        if i.key() == TransformType.Vmap and i.randomness() != "error":
+        drawn = i.randomness() if i.key() == TransformType.Vmap else "error"  # type: ignore[attr-defined]
+        if drawn != "error":
             raise ValueError(
-                f"{call}: called under vmap(..., randomness={i.randomness()!r}) in a "
-                "process group; "
+                f"{call}: called under vmap(..., randomness={drawn!r}) in a process group; "
                 "the pipeline cuts the batch into microbatches and cannot reproduce vmap's random "
                 "draws. Use randomness='error' (the default) with a function without random "
                 "operations (dropout off: model.eval())."
@@ -323,7 +324,7 @@ def _forward_mode(ctx: _Ctx, kind: str, primals: list[torch.Tensor], tangents: l
 
         def parts(xs: list[torch.Tensor]) -> tuple[Any, ...]:
             p = tree.unflatten(xs[:n_p], tree.flatten(params)[1])
-            split = tuple(x.movedim(full[i], 0) for i, x in enumerate(xs) if source[i] == "b")
+            split = tuple(x.movedim(full[i] or 0, 0) for i, x in enumerate(xs) if source[i] == "b")
             return p, split, tuple(x for i, x in enumerate(xs) if source[i] == "w")
 
         p, split, whole = parts(primals)
@@ -359,25 +360,25 @@ def _vmapped(
         v, bdim = torch._C._functorch._unwrap_batched(t, level)
         batched.append(bdim is not None)
         plain.append(v.movedim(bdim, 0) if bdim is not None else v)
-    n_p = sum(1 for a in ctx.argnum if a == 0)
     kind = "vmap" if mode == "value" else "per_sample"
-    probed = tuple(i for i, (b, d) in enumerate(zip(batched, diff or [])) if d and not b)
-    source = tuple("b" if b else ("p" if i < n_p else "w") for i, b in enumerate(batched))
+    d = diff or [False] * len(tensors)
+    probed = tuple(i for i, (b, di) in enumerate(zip(batched, d)) if di and not b)
+    source = tuple(
+        ("d" if di else "b") if b else ("p" if a == 0 else "w") for b, di, a in zip(batched, d, ctx.argnum)
+    )
     lift = Lift(kind, ctx.spec, ctx.statics, ctx.is_tensor, source, probed)
     pipe = _lifted_pipeline(ctx.piped, kind)
     dev = ctx.piped.pg.device if ctx.piped.pg is not None else torch.device("cpu")
-    params = tuple(x for x, s in zip(plain, source) if s == "p")
-    whole = tuple(x for x, s in zip(plain, source) if s == "w")
-    probes = tuple(probe(plain[i], batch, dev) for i in probed)
-    split = tuple(x for x, s in zip(plain, source) if s == "b") + probes
+    params, split, whole, dsplit = (tuple(x for x, s in zip(plain, source) if s == k) for k in "pbwd")
+    dsplit += tuple(probe(plain[i], batch, dev) for i in probed)
     with temporarily_clear_interpreter_stack():
         if kind == "vmap":
-            vals, ctx.out_spec = tree.flatten(pipe._forward(params, (lift, split, whole), {}))
+            vals, ctx.out_spec = tree.flatten(pipe._forward(params, (lift, split, whole, dsplit), {}))
             grads: list[Any] = []
         else:
-            value, (g_split,) = pipe._value_and_grad(params, (lift, split, whole), {}, (2,), True)
+            value, g_split = pipe._value_and_grad(params, (lift, split, whole, dsplit), {}, 4, True)
             vals, ctx.out_spec = tree.flatten(value[1])
-            grads = _per_example_grads(tensors, plain, batched, probed, list(g_split), diff or [])
+            grads = _per_example_grads(plain, source, probed, list(g_split), d)
         ctx.piped._last = pipe._last
     ctx.n_vals = len(vals)
     wrap = torch._C._functorch._add_batch_dim
@@ -385,22 +386,20 @@ def _vmapped(
 
 
 def _per_example_grads(
-    tensors: list[torch.Tensor],
     plain: list[torch.Tensor],
-    batched: list[bool],
+    source: tuple[str, ...],
     probed: tuple[int, ...],
-    g_split: list[torch.Tensor],
+    g_split: list[Any],
     diff: list[bool],
 ) -> list[torch.Tensor | None]:
     """Each differentiated leaf's per-example gradient (batch first): a batched leaf's own
     gradient, an unbatched one's probe's; zeros on the meta device for a meta leaf."""
-    n_b = sum(batched)
-    split_of = {i: k for k, i in enumerate(i for i, b in enumerate(batched) if b)}
+    at = {i: k for k, i in enumerate(i for i, s in enumerate(source) if s == "d")}
     out: list[torch.Tensor | None] = []
     for i, d in enumerate(diff):
         g = None
         if d:
-            g = g_split[split_of[i]] if batched[i] else g_split[n_b + probed.index(i)]
+            g = g_split[at[i]] if i in at else g_split[len(at) + probed.index(i)]
             if plain[i].is_meta:
                 g = torch.zeros(g.shape, dtype=g.dtype, device="meta")
         out.append(g)
@@ -444,7 +443,7 @@ def _lifted_pipeline(piped: Any, kind: str, reductions: Any = None) -> Any:
             settings.update(in_axes=(None, 0, None, None, 0, None), out_axes=outs)
             fn = jvp_lifted(cfg.f, kind)
         else:
-            settings.update(in_axes=(None, 0, None), out_axes=0 if kind == "vmap" else ("sum", 0))
+            settings.update(in_axes=(None, 0, None, 0), out_axes=0 if kind == "vmap" else ("sum", 0))
             fn = lifted(cfg.f, kind)
         new = type(piped)(fn, **settings)
         new.__dict__["_groups"] = piped._groups

@@ -34,7 +34,8 @@ class Lift:
     spec: Any  # the treespec of (params, args, kwargs)
     statics: tuple[Any, ...]  # the non-tensor leaves, in order
     is_tensor: tuple[bool, ...]
-    source: tuple[str, ...]  # per tensor leaf: "p" (a parameter), "b" (batched), "w" (whole)
+    # per tensor leaf: "p" (a parameter), "b" (batched), "w" (whole), "d" (batched, differentiated)
+    source: tuple[str, ...]
     probed: tuple[int, ...]  # tensor leaves that get a per-example probe (per_sample)
     randomness: str = "error"
     axes: tuple[int | None, ...] = ()  # per tensor leaf: its microbatch split axis ("jvp", "hvp")
@@ -53,22 +54,22 @@ class Lift:
     def __repr__(self) -> str:  # the same on every rank (the signature digest reads it)
         return f"Lift({self.kind}, {self.spec}, {self.statics}, {self.source}, {self.probed})"
 
-    def run(
-        self, f: Callable[..., Any], params: tuple[Any, ...], batched: tuple[Any, ...], whole: tuple[Any, ...]
-    ) -> Any:
-        n_b = len(batched) - len(self.probed)
+    def run(self, f: Callable[..., Any], params: Any, batched: Any, whole: Any, diff: Any) -> Any:
+        """`f` per example under vmap over `batched` and `diff` (the differentiated batched
+        leaves, then the probes)."""
+        n_b, n_d = len(batched), len(diff) - len(self.probed)
 
         def one(*b: torch.Tensor) -> Any:
-            src = {"p": iter(params), "b": iter(b[:n_b]), "w": iter(whole)}
+            src = {"p": iter(params), "b": iter(b[:n_b]), "w": iter(whole), "d": iter(b[n_b : n_b + n_d])}
             tensors = [next(src[s]) for s in self.source]
             for k, i in enumerate(self.probed):
-                tensors[i] = tensors[i] + b[n_b + k]
+                tensors[i] = tensors[i] + b[n_b + n_d + k]
             stat, ten = iter(self.statics), iter(tensors)
             leaves = [next(ten) if t else next(stat) for t in self.is_tensor]
             p, args, kwargs = tree.unflatten(leaves, self.spec)
             return f(p, *args, **kwargs)
 
-        vals = torch.func.vmap(one, randomness=self.randomness)(*batched)
+        vals = torch.func.vmap(one, randomness=self.randomness)(*batched, *diff)
         if self.kind == "vmap":
             return vals
         loss = tree.flatten(vals)[0][0]
@@ -83,10 +84,11 @@ class Lift:
 
 
 def lifted(f: Callable[..., Any], kind: str) -> Callable[..., Any]:
-    """The pipelined function of one kind of transformed call: `(params, lift, batched, whole)`."""
+    """The pipelined function of one kind of transformed call: `(params, lift, batched, whole,
+    diff)`; "per_sample" differentiates `diff` (argnums=4)."""
 
-    def run(params: tuple[Any, ...], lift: Lift, batched: tuple[Any, ...], whole: tuple[Any, ...]) -> Any:
-        return lift.run(f, params, batched, whole)
+    def run(params: Any, lift: Lift, batched: Any, whole: Any, diff: Any) -> Any:
+        return lift.run(f, params, batched, whole, diff)
 
     run.__name__ = f"{'vmap' if kind == 'vmap' else 'vmap(grad)'}({fn_name(f)})"
     return run
@@ -112,7 +114,7 @@ def jvp_lifted(f: Callable[..., Any], kind: str) -> Callable[..., Any]:
             return f(q, *args, **kwargs)
 
         primals = (params, tuple(data[i] for i in fl))
-        out, tangent = torch.func.jvp(g, primals, (tparams, tuple(tdata[i] for i in fl)))
+        out, tangent = torch.func.jvp(g, primals, (tparams, tuple(tdata[i] for i in fl)))[:2]
         return (out, tangent) if kind == "jvp" else tangent
 
     run.__name__ = f"{kind}({fn_name(f)})"

@@ -87,3 +87,22 @@ def test_transforms_on_replicas_alone(four, case):
 def test_transforms_fpipe_does_not_distribute_are_refused_by_name(two, four, name, says):
     for rec in [*(r["1f1b"] for r in two), *(r["transforms"] for r in four)]:
         assert says in rec["refused"][name], rec["refused"][name]
+
+
+@pytest.mark.parametrize("case", ["grad", "hvp"])
+def test_transforms_with_other_ranks_parameters_on_the_meta_device(two, case):
+    """Each rank passes the other's parameters on the meta device (as `materialize` leaves
+    them): its own parameters' gradients match, the others' come back as meta zeros."""
+    for r, rec in enumerate(two):
+        res = rec["meta"][case]
+        assert "error" not in res, res
+        assert res["err"] < TOL and res["stages"] == [r], res
+        assert res["meta"] == [f"b{1 - r}", f"w{1 - r}"], res
+
+
+def test_per_sample_gradients_of_meta_parameters_are_refused(two):
+    for rec in two:
+        assert (
+            "per-sample gradients (vmap over grad) of parameters passed on the meta device"
+            in (rec["meta"]["per_sample_refused"])
+        )

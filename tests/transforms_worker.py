@@ -141,6 +141,41 @@ def _sq(g: dict[str, torch.Tensor]) -> torch.Tensor:
     return sum((v**2).sum() for v in g.values())  # type: ignore[return-value]
 
 
+def with_meta(piped: fpipe.Pipelined, rank: int) -> dict[str, Any]:
+    """2 stages, 2 ranks, each passing the other's parameters on the meta device (as
+    `materialize` leaves them): its own parameters' results match; the others' are meta;
+    per-sample gradients are refused."""
+    f = chain(2)
+    p, x, y = data(2, 8, 7)
+    mine = {k: (v if k.endswith(str(rank)) else v.to("meta")) for k, v in p.items()}
+    v = {k: torch.sin(t) for k, t in mine.items()}
+    grad = torch.func.grad
+    runs = {
+        "grad": (lambda: grad(piped)(mine, x, y), lambda: grad(f)(p, x, y)),
+        "hvp": (
+            lambda: torch.func.jvp(lambda q: grad(piped)(q, x, y), (mine,), (v,))[1],
+            lambda: torch.func.jvp(
+                lambda q: grad(f)(q, x, y), (p,), ({k: torch.sin(t) for k, t in p.items()},)
+            )[1],
+        ),
+    }
+    out: dict[str, Any] = {}
+    for name, (got, want) in runs.items():
+        try:
+            g, w = got(), want()
+            meta = sorted(k for k, t in g.items() if t.is_meta)
+            err = max((g[k] - w[k]).abs().max().item() for k in g if not g[k].is_meta)
+            out[name] = {"err": err, "meta": meta, "stages": piped.local_stages}
+        except Exception as err:  # recorded: the test names it
+            out[name] = {"error": f"{type(err).__name__}: {err}"}
+    try:  # refused on both ranks (each passes a meta parameter)
+        torch.func.vmap(grad(piped), in_dims=(None, 0, 0))(mine, x, y)
+        out["per_sample_refused"] = "not refused"
+    except ValueError as err:
+        out["per_sample_refused"] = str(err)
+    return out
+
+
 def run_pp(timeout: float = 60.0) -> dict[str, Any]:
     """On the whole group as one pipeline: 2 stages with 1F1B and ZB-H1, 4 stages interleaved
     (on 2 ranks), or 4 stages 1F1B (on 4 ranks)."""
@@ -151,6 +186,8 @@ def run_pp(timeout: float = 60.0) -> dict[str, Any]:
             rec[sched] = cases(fpipe.pipeline(chain(2), microbatches=2, schedule=sched, timeout=timeout), 2)
         interleaved = fpipe.pipeline(chain(4), microbatches=2, schedule="interleaved-1f1b", timeout=timeout)
         rec["interleaved-1f1b"] = cases(interleaved, 4)
+        rank = torch.distributed.get_rank()
+        rec["meta"] = with_meta(fpipe.pipeline(chain(2), microbatches=2, timeout=timeout), rank)
     else:
         rec["1f1b"] = cases(fpipe.pipeline(chain(4), microbatches=2, timeout=timeout), 4)
     return rec

@@ -24,6 +24,7 @@ meta input gets zeros on the meta device).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -36,6 +37,7 @@ from torch._functorch.pyfunctorch import (
 )
 
 from . import inputs as inputs_
+from . import transforms_grads as grads_
 from . import tree
 from .transforms_fns import Lift, jvp_lifted, lifted, probe
 
@@ -177,62 +179,8 @@ def _plain(ctx: _Ctx, mode: str, tensors: list[torch.Tensor], diff: list[bool] |
     value, grads = piped._value_and_grad(params, args, kwargs, tuple(nums), None)
     vals, ctx.out_spec = tree.flatten(value)
     ctx.n_vals = len(vals)
-    by_leaf = _grads_by_leaf(ctx, tensors, nums, grads)
-    return (*vals, *_complete(piped, tensors, diff, by_leaf))
-
-
-def _grads_by_leaf(
-    ctx: _Ctx, tensors: list[torch.Tensor], nums: list[int], grads: tuple[Any, ...]
-) -> list[torch.Tensor | None]:
-    """`value_and_grad`'s gradient pytrees, one entry per tensor leaf (None: not on this rank)."""
-    out: list[torch.Tensor | None] = [None] * len(tensors)
-    params = ctx.rebuild(tensors)[0]
-    for num, g in zip(nums, grads):
-        idx = [i for i, a in enumerate(ctx.argnum) if a == num]
-        if num == 0 and isinstance(params, dict) and isinstance(g, dict):
-            got = [g.get(k) for k, v in params.items() if isinstance(v, torch.Tensor)]
-        else:
-            got = tree.flatten(g)[0]
-        for i, x in zip(idx, got):
-            out[i] = x
-    return out
-
-
-def _complete(
-    piped: Any, tensors: list[torch.Tensor], diff: list[bool], grads: list[torch.Tensor | None]
-) -> list[torch.Tensor | None]:
-    """Each differentiated leaf's gradient on every rank that passes it as a real tensor (sent
-    by the lowest rank that has it; zeros where no stage reads it); zeros on the meta device for
-    a meta leaf; None for the others."""
-    if piped.pg is not None:
-        with temporarily_clear_interpreter_stack():  # (from a jvp rule: the Jvp level is active)
-            _fetch(piped, tensors, diff, grads)
-    out: list[torch.Tensor | None] = []
-    for t, g, d in zip(tensors, grads, diff):
-        if d and t.is_meta:
-            g = torch.zeros(g.shape if g is not None else t.shape, dtype=t.dtype, device="meta")
-        out.append(g if d else None)
-    return out
-
-
-def _fetch(
-    piped: Any, tensors: list[torch.Tensor], diff: list[bool], grads: list[torch.Tensor | None]
-) -> None:
-    """Fill in `grads` (in place) where this rank passes a real input its stages do not read."""
-    pg, timeout = piped.pg, piped.cfg.timeout
-    want = [i for i, (t, g, d) in enumerate(zip(tensors, grads, diff)) if d and g is None and not t.is_meta]
-    have = [i for i, g in enumerate(grads) if g is not None]
-    seen = pg.gather_objects((want, have), timeout, "agreeing which gradients to send")
-    for i in sorted({i for w, _ in seen for i in w}):
-        srcs = [r for r, (_, h) in enumerate(seen) if i in h]
-        g = grads[i]
-        if not srcs:  # no stage reads it: its gradient is zero
-            grads[i] = torch.zeros_like(tensors[i]) if i in want else g
-            continue
-        mine = pg.rank == srcs[0] and g is not None
-        buf = g.contiguous() if mine and g is not None else torch.empty_like(tensors[i], device=pg.device)
-        got = pg.broadcast(buf, srcs[0], timeout, f"receiving a gradient from rank {srcs[0]}")
-        grads[i] = got if i in want else g
+    by_leaf = grads_.grads_by_leaf(ctx, tensors, nums, grads)
+    return (*vals, *grads_.complete(piped, tensors, diff, by_leaf))
 
 
 class _Grad(torch.autograd.Function):
@@ -281,10 +229,10 @@ class _Grad(torch.autograd.Function):
                 "params in a process group; fpipe computes Hessian-vector products for the params "
                 "(argnums=0). Differentiate with respect to the params."
             )
-        primals = [_peel(p) for p in ctx.primals]
+        primals = [grads_.peel(p) for p in ctx.primals]
         tangent, hvp = _forward_mode(c, "hvp", primals, list(tangents))
-        by_leaf = _grads_by_leaf(c, primals, [0], (hvp,))
-        return (tangent, *_complete(c.piped, primals, diff, by_leaf))
+        by_leaf = grads_.grads_by_leaf(c, primals, [0], (hvp,))
+        return (tangent, *grads_.complete(c.piped, primals, diff, by_leaf))
 
 
 class _Jvp(torch.autograd.Function):
@@ -312,8 +260,8 @@ class _Jvp(torch.autograd.Function):
 def _forward_mode(ctx: _Ctx, kind: str, primals: list[torch.Tensor], tangents: list[Any]) -> tuple[Any, Any]:
     """One pipelined call of `jvp(f)` (kind "jvp": outputs and tangents) or of the gradient of
     its tangent (kind "hvp": the loss's tangent and the params' Hessian-vector products)."""
-    primals = [_peel(p) for p in primals]  # setup_context saw them wrapped at the Jvp level
-    tangents = [_tangent(p, t) for p, t in zip(primals, tangents)]
+    primals = [grads_.peel(p) for p in primals]  # setup_context saw them wrapped at the Jvp level
+    tangents = [grads_.tangent(p, t) for p, t in zip(primals, tangents)]
     with temporarily_clear_interpreter_stack():
         params, args, kwargs = ctx.rebuild(primals)
         axes = inputs_.flatten(ctx.piped.cfg, params, args, kwargs).axes
@@ -366,6 +314,12 @@ def _vmapped(
     source = tuple(
         ("d" if di else "b") if b else ("p" if a == 0 else "w") for b, di, a in zip(batched, d, ctx.argnum)
     )
+    if any(plain[i].is_meta for i in probed):
+        raise ValueError(
+            f"{call}: per-sample gradients (vmap over grad) of parameters passed on the meta device "
+            "in a process group; each example's parameter copy is computed on the first stage that "
+            "reads the batch, which may not hold them. Pass every parameter as a real tensor."
+        )
     lift = Lift(kind, ctx.spec, ctx.statics, ctx.is_tensor, source, probed)
     pipe = _lifted_pipeline(ctx.piped, kind)
     dev = ctx.piped.pg.device if ctx.piped.pg is not None else torch.device("cpu")
@@ -378,46 +332,11 @@ def _vmapped(
         else:
             value, g_split = pipe._value_and_grad(params, (lift, split, whole, dsplit), {}, 4, True)
             vals, ctx.out_spec = tree.flatten(value[1])
-            grads = _per_example_grads(plain, source, probed, list(g_split), d)
+            grads = grads_.per_example_grads(plain, source, probed, list(g_split), d)
         ctx.piped._last = pipe._last
     ctx.n_vals = len(vals)
     wrap = torch._C._functorch._add_batch_dim
     return (*[wrap(v, 0, level) for v in vals], *[None if g is None else wrap(g, 0, level) for g in grads])
-
-
-def _per_example_grads(
-    plain: list[torch.Tensor],
-    source: tuple[str, ...],
-    probed: tuple[int, ...],
-    g_split: list[Any],
-    diff: list[bool],
-) -> list[torch.Tensor | None]:
-    """Each differentiated leaf's per-example gradient (batch first): a batched leaf's own
-    gradient, an unbatched one's probe's; zeros on the meta device for a meta leaf."""
-    at = {i: k for k, i in enumerate(i for i, s in enumerate(source) if s == "d")}
-    out: list[torch.Tensor | None] = []
-    for i, d in enumerate(diff):
-        g = None
-        if d:
-            g = g_split[at[i]] if i in at else g_split[len(at) + probed.index(i)]
-            if plain[i].is_meta:
-                g = torch.zeros(g.shape, dtype=g.dtype, device="meta")
-        out.append(g)
-    return out
-
-
-def _tangent(primal: torch.Tensor, t: torch.Tensor | None) -> torch.Tensor:
-    """A tangent as a plain tensor (forward AD passes a zero one as None or as an immutable
-    ZeroTensor, which no transfer may write)."""
-    t = None if t is None else _peel(t)
-    return torch.zeros_like(primal) if t is None or t._is_zerotensor() else t
-
-
-def _peel(t: torch.Tensor) -> torch.Tensor:
-    """The plain tensor under a tensor's torch.func wrappers."""
-    while torch._C._functorch.is_functorch_wrapped_tensor(t):
-        t = torch._C._functorch.get_unwrapped(t)
-    return t
 
 
 def _reductions(piped: Any, params: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -431,8 +350,6 @@ def _lifted_pipeline(piped: Any, kind: str, reductions: Any = None) -> Any:
     """The pipeline of the lifted function of `kind`: piped's settings, its process groups; the
     microbatches cut the batch (dim 0 of `batched`). Its traces are keyed by `Lift` (a static);
     a forward-mode one's outputs combine over microbatches as `reductions` say."""
-    import dataclasses
-
     pipes = piped.__dict__.setdefault("_lifted", {})
     key = (kind, repr(reductions))
     if key not in pipes:

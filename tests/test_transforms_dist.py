@@ -80,6 +80,7 @@ def test_transforms_on_replicas_alone(four, case):
     [
         ("jacrev", "called under torch.func transforms (grad over vmap, outermost first) in a process group"),
         ("vmap_jvp", "(vmap over jvp, outermost first)"),
+        ("vjp_batched", "grad or vjp of an output that is not a scalar under torch.func in a process group"),
         ("grad_of_grad", "(grad over grad, outermost first)"),
         ("vmap_randomness", "called under vmap(..., randomness='different') in a process group"),
     ],

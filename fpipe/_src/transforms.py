@@ -176,7 +176,17 @@ def _plain(ctx: _Ctx, mode: str, tensors: list[torch.Tensor], diff: list[bool] |
             f"{piped.cfg.call}: a keyword argument is differentiated under torch.func in a process "
             "group; fpipe differentiates positional arguments only. Pass it positionally."
         )
-    value, grads = piped._value_and_grad(params, args, kwargs, tuple(nums), None)
+    try:  # (has_aux=True: a first output that is a scalar loss, any others aux)
+        value, grads = piped._value_and_grad(params, args, kwargs, tuple(nums), True)
+    except ValueError as err:
+        if "must return a scalar loss" not in str(err):
+            raise
+        raise ValueError(
+            f"{piped.cfg.call}: grad or vjp of an output that is not a scalar under torch.func in a "
+            "process group; fpipe differentiates a scalar loss (the first output) only, so a vjp "
+            "or jacrev of a batched output is not distributed. Reduce the output to a scalar "
+            "inside the function (e.g. (out * ct).sum()) and take its grad."
+        ) from err
     vals, ctx.out_spec = tree.flatten(value)
     ctx.n_vals = len(vals)
     by_leaf = grads_.grads_by_leaf(ctx, tensors, nums, grads)

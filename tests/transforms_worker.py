@@ -62,6 +62,7 @@ def cases(
     ens = {k: torch.stack([v, 2 * v]) for k, v in p.items()}
     ct = torch.tensor(0.7, dtype=torch.float64)
     v = {k: torch.sin(t) for k, t in p.items()}  # tangents
+    zs = torch.arange(3.0, dtype=torch.float64)
     vx = torch.cos(mx)  # on a dp mesh: this replica's slice of cos(x), the whole batch's tangent
     runs: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
         "grad": (lambda: grad(piped)(p, mx, my), lambda: grad(f)(p, x, y)),
@@ -96,6 +97,10 @@ def cases(
         "hvp": (
             lambda: torch.func.jvp(lambda q: grad(piped)(q, mx, my), (p,), (v,)),
             lambda: torch.func.jvp(lambda q: grad(f)(q, x, y), (p,), (v,)),
+        ),
+        "vmap_of_something_else": (  # the call's inputs are not batched at the vmap's level
+            lambda: vmap(lambda z: grad(piped)(p, mx, my)["w0"] * z)(zs),
+            lambda: vmap(lambda z: grad(f)(p, x, y)["w0"] * z)(zs),
         ),
     }
     out: dict[str, Any] = {}

@@ -306,18 +306,20 @@ def _vmapped(
 ) -> tuple[Any, ...]:
     """A Vmap level: one pipelined call of the lifted function (kind "vmap" or "per_sample")."""
     level, batch = interp.level(), interp.batch_size()
-    call = ctx.piped.cfg.call
-    m = ctx.piped.cfg.microbatches * 1
-    if batch % ctx.piped.cfg.microbatches:
-        raise ValueError(
-            f"{call}: vmap over {batch} examples, which microbatches={m} do not divide; the pipeline "
-            f"cuts the vmapped dimension into microbatches. Use a batch that is a multiple of {m}."
-        )
     plain, batched = [], []
     for t in tensors:
         v, bdim = torch._C._functorch._unwrap_batched(t, level)
         batched.append(bdim is not None)
         plain.append(v.movedim(bdim, 0) if bdim is not None else v)
+    if not any(batched):  # vmapped over something else: the call itself is not batched
+        with temporarily_clear_interpreter_stack():
+            return _plain(ctx, mode, plain, diff)
+    call, m = ctx.piped.cfg.call, ctx.piped.cfg.microbatches
+    if batch % m:
+        raise ValueError(
+            f"{call}: vmap over {batch} examples, which microbatches={m} do not divide; the pipeline "
+            f"cuts the vmapped dimension into microbatches. Use a batch that is a multiple of {m}."
+        )
     kind = "vmap" if mode == "value" else "per_sample"
     d = diff or [False] * len(tensors)
     probed = tuple(i for i, (b, di) in enumerate(zip(batched, d)) if di and not b)

@@ -13,7 +13,7 @@ TRUST_RANKS = 2
 @pytest.fixture(scope="session")
 def trust_launch(tmp_path_factory):
     """One torchrun launch of `tests/trust_dist_worker.py` on 2 ranks for tests/test_trust_dist.py,
-    tests/test_timeline.py and tests/test_from_tdp.py (a process group costs seconds to start):
+    tests/test_timeline.py, tests/test_from_tdp.py and tests/test_transforms_dist.py (a process group costs seconds to start):
     its output folder and processes (ended: a hard deadline, then SIGKILL)."""
     out = tmp_path_factory.mktemp("trust")
     cmd = torchrun_cmd("trust_dist_worker.py", TRUST_RANKS, "--out", str(out))

@@ -1,4 +1,5 @@
-"""Smoke tests: the examples run end to end, in one process and under torchrun (tiny settings).
+"""Smoke tests: the examples run end to end, in one process and under torchrun (tiny settings);
+examples/dp_sgd.py's step matches the one computed one example at a time.
 
 Both launches start at once (they are mostly interpreter start-up and import) and are checked
 for exit code 0 and the final summary line. Their output goes to a pipe, not a terminal, as in a
@@ -29,6 +30,13 @@ LAUNCHES = {
         *(TRAIN_GPT, *TINY.split()),
     ],
 }
+DP_SGD = [  # examples/dp_sgd.py: started with the launches above
+    *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"),
+    str(ROOT / "examples" / "dp_sgd.py"),
+]
+DP_SGD_LINE = re.compile(
+    r"^DP-SGD step on 8 examples: max \|difference\| from one example at a time (\S+)$", re.M
+)
 
 
 def _start(cmd: list[str]) -> subprocess.Popen[str]:
@@ -39,7 +47,7 @@ def _start(cmd: list[str]) -> subprocess.Popen[str]:
 
 @pytest.fixture(scope="module")
 def finished() -> dict[str, tuple[int, str]]:
-    procs = {name: _start(cmd) for name, cmd in LAUNCHES.items()}
+    procs = {name: _start(cmd) for name, cmd in {**LAUNCHES, "dp_sgd": DP_SGD}.items()}
     results = {}
     for name, p in procs.items():
         try:
@@ -67,3 +75,15 @@ def test_train_gpt_progress_in_a_log(finished: dict[str, tuple[int, str]], launc
     assert "\r" not in text, f"{launch}: carriage returns in a log\n{text[-3000:]}"
     steps = [int(m.group(2)) for m in PROGRESS.finditer(text)]
     assert steps == [0, 1, 2, 3], f"{launch}: progress lines for steps {steps}\n{text[-3000:]}"
+
+
+def test_dp_sgd_per_sample_gradients_through_the_pipeline_match_one_example_at_a_time(finished):
+    """examples/dp_sgd.py under torchrun (2 stages, one per rank): per-sample gradients by
+    vmap(grad(piped)), clipped, noised, one step -- against the same step computed one example at
+    a time with the unsplit model in one process (float64)."""
+    code, text = finished["dp_sgd"]
+    assert code == 0, f"exit code {code}\n{text[-3000:]}"
+    assert "rank 0: stages [0]" in text and "rank 1: stages [1]" in text, text[-3000:]
+    m = DP_SGD_LINE.search(text)
+    assert m, text[-3000:]
+    assert float(m.group(1)) < 1e-10, m.group(0)

@@ -6,7 +6,7 @@ rank writes `rank{R}.json` with one record per case.
 * isolation: their store namespaces; a failure reported on one is not seen by the other.
 * branch: `if dist.get_rank() == 1: h = h * 2` on stage 1 -> the error every rank raises.
 * constant: a rank-dependent Python constant on stage 0 -> the error every rank raises.
-* transforms: torch.func.grad / vmap around a pipeline -> the error every rank raises.
+* transforms: torch.func transforms around a pipeline (tests/transforms_worker.py).
 * after: the first two pipelines called once more: the group is still usable after the errors.
 * tdp_zoo: tests/tdp_models.py's zoo (pipe_split() calls, a split_spec) against the unsplit
   functions (tests/test_from_tdp.py reads it).
@@ -36,6 +36,7 @@ import outputs_worker
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import transforms_worker
 
 import fpipe
 
@@ -129,30 +130,6 @@ def _error_of(piped: fpipe.Pipelined, f: Callable[..., Any]) -> dict[str, Any]:
     except Exception as err:
         return {"error_type": type(err).__name__, "error": str(err)}
     return {"error_type": None}
-
-
-def _under_transforms(piped: fpipe.Pipelined) -> dict[str, Any]:
-    """torch.func.grad and vmap around a pipeline in a process group: refused on every rank
-    before any transfer (a transform sees only this rank's stages: the gradients of stage 0's
-    parameters would silently lack stage 1's part)."""
-    params, x, y = _inputs(8)
-    out: dict[str, Any] = {}
-    for name, call in (
-        ("grad", lambda: torch.func.grad(piped)(params, x, y)),
-        ("vmap", lambda: torch.func.vmap(piped, in_dims=(None, 0, 0))(params, x[None], y[None])),
-        (
-            "vmap_of_value_and_grad",
-            lambda: torch.func.vmap(fpipe.value_and_grad(piped), in_dims=(None, 0, 0))(
-                params, x[None], y[None]
-            ),
-        ),
-    ):
-        try:
-            call()
-            out[name] = {"error_type": None}
-        except Exception as err:
-            out[name] = {"error_type": type(err).__name__, "error": str(err)}
-    return out
 
 
 def _backward_of_a_call(piped: fpipe.Pipelined) -> dict[str, Any]:
@@ -249,11 +226,14 @@ def _mesh_cases() -> dict[str, Any]:
         piped.pg.report_failure("rank 1 of replica 0 failed: injected report")
     dist.barrier()
     rec["sees"] = piped.pg.failure()
-    rec["transforms"] = _case(lambda: _under_transforms(piped))  # (after the report: its own call)
+    chain2 = fpipe.pipeline(transforms_worker.chain(2), microbatches=MB, mesh=mesh, timeout=60)
+    rec["transforms"] = _case(lambda: transforms_worker.cases(chain2, 2, dp))  # tests/test_transforms_dist.py
     dp_only = init_device_mesh("cpu", (4, 1), mesh_dim_names=("dp", "pp"))  # no pipeline group
+    chain1 = fpipe.pipeline(transforms_worker.chain(1), stages=1, microbatches=MB, mesh=dp_only, timeout=60)
     rec["transforms_dp_only"] = _case(
-        lambda: _under_transforms(fpipe.pipeline(_mlp, microbatches=MB, mesh=dp_only))
+        lambda: transforms_worker.cases(chain1, 1, dp_only.get_local_rank("dp"), 4)
     )
+    rec["transforms_pp4"] = _case(transforms_worker.run_pp)
     rec["after"] = _case(lambda: _max_errors(piped, _mlp, 20, dp))
     return rec
 
@@ -284,7 +264,7 @@ def main() -> None:
     measured = fpipe.pipeline(_measured, stages=2, microbatches=MB, timeout=60, partition="measure")
     record["measured"] = _error_of(measured, _measured)
     record["constant"] = _error_of(fpipe.pipeline(_constant, microbatches=MB, timeout=60), _constant)
-    record["transforms"] = _case(lambda: _under_transforms(a))
+    record["transforms"] = _case(transforms_worker.run_pp)  # tests/test_transforms_dist.py
     record["backward"] = _case(lambda: _backward_of_a_call(a))
     record["after"] = _case(lambda: {"a": _max_errors(a, _mlp, 300), "b": _max_errors(b, _other, 301)})
     record["tdp_zoo"] = _case(_tdp_zoo)

@@ -17,7 +17,7 @@ import torch
 from . import execute as execute_
 from . import inputs as inputs_
 from . import memory as memory_
-from . import outputs, tree
+from . import outputs, transforms, tree
 from .checkpoint_job import check_earlier
 from .compiler import Compiled, Compiler
 from .config import Config
@@ -72,17 +72,17 @@ class Pipelined:
         return self.cfg.call
 
     def __call__(self, params: Any, *args: Any, **kwargs: Any) -> Any:
-        return self._guarded(self._forward, params, args, kwargs)
+        return self._guarded(transforms.lifted_call(self) or self._forward, params, args, kwargs)
 
     def value_and_grad(self, argnums: Argnums, has_aux: bool, params: Any, args: Args, kwargs: Kwargs) -> Any:
-        return self._guarded(self._value_and_grad, params, args, kwargs, argnums, has_aux)
+        fn = transforms.lifted_call(self) or self._value_and_grad  # NOTE [transforms in a group]
+        return self._guarded(fn, params, args, kwargs, argnums, has_aux)
 
     def _get(
         self, params: Any, args: Args, kwargs: Kwargs, grad_of: tuple[int, ...] | None, has_aux: bool | None
     ) -> tuple[inputs_.Inputs, list[list[torch.Tensor]], Compiled]:
         """The call's inputs, split into microbatches, and the plan for their signature."""
-        self._groups.begin_call()
-        g = self._groups
+        (g := self._groups).begin_call()
         inputs_.refuse_transforms_in_a_group(self.cfg.call, g.pp or g.dp or g.tp)
         inp = localize(self.cfg.call, inputs_.flatten(self.cfg, params, args, kwargs), g.tp_mesh)
         inp = cast_inputs(self.cfg.precision, inp)  # once per step (precision.py)

@@ -83,17 +83,16 @@ def flatten(cfg: Config, params: Any, args: tuple[Any, ...], kwargs: dict[str, A
 
 
 def refuse_transforms_in_a_group(call: str, pg: Any) -> None:
-    """A torch.func transform sees only this rank's programs: differentiated or batched across
-    processes, earlier stages' gradients would silently miss the later stages' part (and dp
-    replicas would not be summed). Refused before any collective."""
+    """A call that reaches the data path under a torch.func transform in a process group (a
+    pipelined call or `fpipe.value_and_grad` is lifted out of the transforms first: NOTE
+    [transforms in a group] in transforms.py; `memory`/`materialize` are not): the transform
+    would see only this rank's programs. Refused before any collective."""
     if pg is None or torch._C._functorch.peek_interpreter_stack() is None:
         return
     raise ValueError(
-        f"{call}: called under a torch.func transform (grad, vjp, vmap, ...) in a process group; "
-        "a transform sees only this rank's stages, so its gradients would lack the other ranks' "
-        "part. Under torchrun use fpipe.value_and_grad(piped) or fpipe.grad(piped), which run "
-        "the backward through every stage; torch.func transforms around a pipeline work in one "
-        "process."
+        f"{call}: memory/materialize called under a torch.func transform (grad, vjp, vmap, ...) "
+        "in a process group; a transform would see only this rank's stages. Call it outside the "
+        "transform (the pipelined call itself composes with them: docs/guide/transforms.md)."
     )
 
 

@@ -9,7 +9,8 @@
 A `torch.library.custom_op` is opaque to make_fx (one node, not decomposed) and has a fake impl,
 so tracing on fake or meta tensors works. On torch 2.13 its `register_autograd` does not compose
 with `torch.func.grad`, so the differentiation rule lives in a new-style `autograd.Function`
-(`setup_context`, `generate_vmap_rule=True`), which composes with grad, vjp and vmap. The op must
+(`setup_context`, `generate_vmap_rule=True`, a `jvp` that marks the tangents too), which
+composes with grad, vjp, vmap and jvp. The op must
 not alias its inputs, so the eager impl clones; the split replaces markers by their inputs, so no
 stage program ever pays for that copy.
 """
@@ -74,6 +75,11 @@ class _Boundary(torch.autograd.Function):
     def backward(ctx: Any, *gs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         return _BoundaryBwd.apply(*gs)
 
+    @staticmethod
+    def jvp(ctx: Any, *ts: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        # forward mode: the tangents cross the boundary with the values (one stage up)
+        return _marked(BOUNDARY, ts)
+
 
 class _BoundaryBwd(torch.autograd.Function):
     generate_vmap_rule = True
@@ -90,6 +96,18 @@ class _BoundaryBwd(torch.autograd.Function):
     def backward(ctx: Any, *gs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         # The gradient of the gradient marker: a boundary again (double backward).
         return _Boundary.apply(*gs)
+
+    @staticmethod
+    def jvp(ctx: Any, *ts: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        return _marked(BOUNDARY_BWD, ts)
+
+
+def _marked(op: Any, ts: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...]:
+    """The tangents through the marker `op` (a zero tangent, None or a ZeroTensor, stays None)."""
+    ts = tuple(None if t is None or t._is_zerotensor() else t for t in ts)
+    some = [t for t in ts if t is not None]
+    it = iter(op(some) if some else [])
+    return tuple(None if t is None else next(it) for t in ts)
 
 
 def boundary_apply(xs: list[torch.Tensor]) -> list[torch.Tensor]:

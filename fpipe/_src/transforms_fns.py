@@ -1,0 +1,126 @@
+"""The plain functions a transformed pipelined call is computed by (NOTE [transforms in a group]
+in transforms.py).
+
+`Lift` is a hashable description of one transformed call: where each tensor leaf of the user's
+`(params, args, kwargs)` goes (kept a parameter, cut with the batch, passed whole) and which
+leaves get a per-example gradient probe. It is passed to the lifted function as a non-tensor
+argument, so the trace key holds it like any static argument (NOTE [trace key]): one lifted
+pipeline per kind, one trace per (description, signature), through the compiler's one cache.
+
+The lifted function runs the user's function per example under `torch.func.vmap`:
+- "vmap": returns the batched outputs (concatenated over microbatches along the batch);
+- "per_sample": returns `(sum of the per-example losses, the per-example outputs)`; the
+  gradient of the sum with respect to the batched inputs, and to a zero probe `z` added to each
+  unbatched differentiated input (`p + z[b]` for example b), is exactly each example's gradient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import tree
+from .config import fn_name
+
+
+@dataclasses.dataclass(frozen=True)
+class Lift:
+    """One transformed call: its kind, the user's structure, and where each tensor leaf goes."""
+
+    kind: str  # "vmap", "per_sample", "jvp" or "hvp"
+    spec: Any  # the treespec of (params, args, kwargs)
+    statics: tuple[Any, ...]  # the non-tensor leaves, in order
+    is_tensor: tuple[bool, ...]
+    # per tensor leaf: "p" (a parameter), "b" (batched), "w" (whole), "d" (batched, differentiated)
+    source: tuple[str, ...]
+    probed: tuple[int, ...]  # tensor leaves that get a per-example probe (per_sample)
+    randomness: str = "error"
+    axes: tuple[int | None, ...] = ()  # per tensor leaf: its microbatch split axis ("jvp", "hvp")
+
+    def data(self, split: Any, whole: Any) -> list[torch.Tensor]:
+        """The data leaves in order, each split one with its split axis back in place."""
+        s, w = iter(split), iter(whole)
+        out = []
+        for src, axis in zip(self.source, self.axes):
+            if src == "b":
+                out.append(next(s).movedim(0, axis))
+            elif src == "w":
+                out.append(next(w))
+        return out
+
+    def __repr__(self) -> str:  # the same on every rank (the signature digest reads it)
+        return f"Lift({self.kind}, {self.spec}, {self.statics}, {self.source}, {self.probed})"
+
+    def run(self, f: Callable[..., Any], params: Any, batched: Any, whole: Any, diff: Any) -> Any:
+        """`f` per example under vmap over `batched` and `diff` (the differentiated batched
+        leaves, then the probes)."""
+        n_b, n_d = len(batched), len(diff) - len(self.probed)
+
+        def one(*b: torch.Tensor) -> Any:
+            src = {"p": iter(params), "b": iter(b[:n_b]), "w": iter(whole), "d": iter(b[n_b : n_b + n_d])}
+            tensors = [next(src[s]) for s in self.source]
+            for k, i in enumerate(self.probed):
+                tensors[i] = tensors[i] + b[n_b + n_d + k]
+            stat, ten = iter(self.statics), iter(tensors)
+            leaves = [next(ten) if t else next(stat) for t in self.is_tensor]
+            p, args, kwargs = tree.unflatten(leaves, self.spec)
+            return f(p, *args, **kwargs)
+
+        vals = torch.func.vmap(one, randomness=self.randomness)(*batched, *diff)
+        if self.kind == "vmap":
+            return vals
+        loss = tree.flatten(vals)[0][0]
+        if loss.dim() != 1:
+            raise ValueError(
+                f"vmap over grad of {fn_name(f)} in a process group: each example's output has shape "
+                f"{tuple(loss.shape[1:])}, not a scalar; fpipe differentiates a scalar loss per "
+                "example (a vjp or jacrev of a batched output is not distributed). Reduce the "
+                "output to a scalar, or use fpipe.value_and_grad of a pipeline of that function."
+            )
+        return loss.sum(), vals
+
+
+def lifted(f: Callable[..., Any], kind: str) -> Callable[..., Any]:
+    """The pipelined function of one kind of transformed call: `(params, lift, batched, whole,
+    diff)`; "per_sample" differentiates `diff` (argnums=4)."""
+
+    def run(params: Any, lift: Lift, batched: Any, whole: Any, diff: Any) -> Any:
+        return lift.run(f, params, batched, whole, diff)
+
+    run.__name__ = f"{'vmap' if kind == 'vmap' else 'vmap(grad)'}({fn_name(f)})"
+    return run
+
+
+def jvp_lifted(f: Callable[..., Any], kind: str) -> Callable[..., Any]:
+    """The pipelined function of a forward-mode call, `(params, lift, split, whole, tparams,
+    tsplit, twhole)` (split leaves and their tangents: split axis moved to dim 0) -> kind "jvp":
+    (outputs, their tangents); kind "hvp": the tangent of the scalar loss, whose gradient with
+    respect to the params is the Hessian-vector product (reverse over forward)."""
+
+    def run(params: Any, lift: Lift, split: Any, whole: Any, tparams: Any, tsplit: Any, twhole: Any) -> Any:
+        data, tdata = lift.data(split, whole), lift.data(tsplit, twhole)
+        fl = [i for i, d in enumerate(data) if d.is_floating_point() or d.is_complex()]
+
+        def g(p: Any, fdata: tuple[Any, ...]) -> Any:
+            d = list(data)
+            for i, x in zip(fl, fdata):
+                d[i] = x
+            stat, ten = iter(lift.statics), iter([*tree.flatten(p)[0], *d])
+            leaves = [next(ten) if t else next(stat) for t in lift.is_tensor]
+            q, args, kwargs = tree.unflatten(leaves, lift.spec)
+            return f(q, *args, **kwargs)
+
+        primals = (params, tuple(data[i] for i in fl))
+        out, tangent = torch.func.jvp(g, primals, (tparams, tuple(tdata[i] for i in fl)))[:2]
+        return (out, tangent) if kind == "jvp" else tangent
+
+    run.__name__ = f"{kind}({fn_name(f)})"
+    return run
+
+
+def probe(t: torch.Tensor, batch: int, device: torch.device) -> torch.Tensor:
+    """A zero per example, shaped like `t` (a view of one zero: no memory)."""
+    return torch.zeros((), dtype=t.dtype, device=device).expand(batch, *t.shape)

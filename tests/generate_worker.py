@@ -304,7 +304,12 @@ def stream_case(model: torch.nn.Module, mesh: Any, rank: int) -> dict[str, Any]:
     the greedy run); a seeded sampled request beside a greedy one (drawn on the last rank);
     then one where rank 1 submits another prompt (refused on both ranks of its
     pipeline, naming the step; the other pipeline, ranks 2 and 3, runs it)."""
-    res = {"greedy": generator_stream(model, mesh=mesh)}
+    res: dict[str, Any] = {"greedy": generator_stream(model, mesh=mesh)}
+    try:
+        fpipe.Generator(model, max_len=STREAM_LEN, max_batch=STREAM_SLOTS, mesh=mesh, stages=4)
+        res["stages4"] = "ran"
+    except ValueError as err:
+        res["stages4"] = str(err)
     eos = res["greedy"]["tokens"][0][2]
     res["eos"], res["eos_id"] = generator_stream(model, eos, mesh=mesh), eos
     gen = fpipe.Generator(model, max_len=STREAM_LEN, max_batch=STREAM_SLOTS, mesh=mesh)

@@ -169,6 +169,10 @@ def test_what_generate_refuses_stays_refused():
         gen.step()  # ALiBi from the 2-D mask: the trace fails, named
     with pytest.raises(ValueError, match=r"rope_type='longrope' chooses its frequencies per forward"):
         fpipe.Generator(build("phi3"), max_len=STREAM_LEN, max_batch=2)  # slots share one forward
+    with torch.device("meta"):
+        on_meta = build("llama")
+    with pytest.raises(ValueError, match=r"parameters are on the meta device .*generate\(weights=\.\.\.\)"):
+        fpipe.Generator(on_meta, max_len=STREAM_LEN, max_batch=2)  # stage-local weights are generate's
 
 
 # -- on 2 gloo ranks: tests/generate_worker.py's `stream_case`, in the shared 4-rank launch ---------
@@ -179,6 +183,11 @@ def on_ranks(four_ranks) -> list[dict]:
     """Each rank's `generator` record: the stream on the two 2-rank pipelines of a (dp=2, pp=2)
     mesh (the `four_ranks` fixture of tests/conftest.py)."""
     return [rec["generator"] for rec in four_ranks("generate")]
+
+
+def test_on_two_ranks_several_stages_per_rank_are_refused_naming_the_fix(on_ranks):
+    for res in on_ranks:
+        assert "stages=4 on 2 ranks; the Generator runs one stage per rank. Pass stages=2" in res["stages4"]
 
 
 def test_on_two_ranks_each_request_of_the_stream_equals_generate_alone(on_ranks):

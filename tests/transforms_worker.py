@@ -134,7 +134,8 @@ def _vjp_runs(piped: fpipe.Pipelined, stages: int, pxy: Any, dp: int | None, n: 
     ct = torch.linspace(-1.0, 1.0, x.shape[0], dtype=torch.float64)
     ch = torch.cos(torch.arange(x.numel(), dtype=torch.float64)).reshape(x.shape)
     out = {}
-    for name, kind, cts in (("vjp_batched", "rows", ct), ("vjp_tuple", "pair", (ct, ch))):
+    todo: list[tuple[str, str, Any]] = [("vjp_batched", "rows", ct), ("vjp_tuple", "pair", (ct, ch))]
+    for name, kind, cts in todo:
         f, piped_f = chain(stages, kind), _like(piped, chain(stages, kind))
         out[name] = (
             lambda f=piped_f, c=cts: _vjp_at(f, (p, mine(x), mine(y)), torch.utils._pytree.tree_map(mine, c)),

@@ -145,7 +145,7 @@ def _vjp_runs(piped: fpipe.Pipelined, stages: int, pxy: Any, dp: int | None, n: 
 
 
 def _vjp_at(f: Callable[..., Any], primals: tuple[Any, ...], ct: Any) -> Any:
-    value, vjp_fn = torch.func.vjp(f, *primals)
+    value, vjp_fn = torch.func.vjp(f, *primals)[:2]  # (torch.func.vjp's has_aux=True returns 3)
     return value, vjp_fn(ct)
 
 

@@ -83,6 +83,7 @@ def test_transforms_on_replicas_alone(four, case):
         ("jacrev", "called under torch.func transforms (grad over vmap, outermost first) in a process group"),
         ("vmap_jvp", "(vmap over jvp, outermost first)"),
         ("vjp_summed", "torch.func.vjp of output 0 (of 1), which is combined over microbatches by 'sum'"),
+        ("vjp_mixed", "torch.func.vjp of output 1 (of 2), which is combined over microbatches by 'mean'"),
         ("jacrev_batched", "the vjp function of a batched output called under a torch.func transform"),
         ("vjp_ct_shape", "Mismatch in shape"),
         ("grad_of_grad", "(grad over grad, outermost first)"),

@@ -162,7 +162,8 @@ def _gv_ref(f: Callable[..., Any], p: Any, x: torch.Tensor, y: torch.Tensor, dp:
 def _refusals(piped: fpipe.Pipelined, p: Any, x: torch.Tensor, y: torch.Tensor) -> dict[str, str]:
     """Transforms fpipe does not distribute: the error each raises (before any transfer)."""
     rows = fpipe.pipeline(_per_row, microbatches=2, mesh=piped.cfg.mesh, timeout=piped.cfg.timeout)
-    summed = _like(rows, _per_row, stages=None, out_axes="sum")
+    summed = _like(rows, _per_row, out_axes="sum")
+    mixed = _like(rows, _rows_and_mean)
     wrong = torch.ones(x.shape[0] + 1, dtype=torch.float64)
     calls = {
         "jacrev": lambda: torch.func.jacrev(lambda q: torch.func.vmap(piped, in_dims=(None, 0, 0))(q, x, y))(
@@ -173,6 +174,7 @@ def _refusals(piped: fpipe.Pipelined, p: Any, x: torch.Tensor, y: torch.Tensor) 
         ),
         "grad_of_grad": lambda: torch.func.grad(lambda q: _sq(torch.func.grad(piped)(q, x, y)))(p),
         "vjp_summed": lambda: torch.func.vjp(lambda q: summed(q, x, y), p),
+        "vjp_mixed": lambda: torch.func.vjp(lambda q: mixed(q, x, y), p),
         "jacrev_batched": lambda: torch.func.jacrev(lambda q: rows(q, x, y))(p),
         "vjp_ct_shape": lambda: torch.func.vjp(lambda q: rows(q, x, y), p)[1](wrong),
         "vmap_randomness": lambda: torch.func.vmap(piped, in_dims=(None, 0, 0), randomness="different")(
@@ -193,6 +195,12 @@ def _per_row(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> to
     """Each row's squared error: an output that is not a scalar."""
     h = fpipe.stage_boundary(torch.tanh(x @ p["w0"]))
     return ((torch.tanh(h @ p["w1"]) - y) ** 2).mean(1)
+
+
+def _rows_and_mean(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> Any:
+    """Each row's squared error, then their mean: a scalar after a batched first output."""
+    rows = _per_row(p, x, y)
+    return rows, rows.mean()
 
 
 def _sq(g: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -10,6 +10,9 @@ schedule, same ranks) and wraps the results back:
 - `grad` / `grad_and_value` / `vjp` of a scalar (a Grad level): `_Grad`, an autograd.Function
   whose forward runs `fpipe.value_and_grad` of the pipeline one level down and whose backward
   returns those gradients times the incoming cotangent;
+- `vjp` of batched outputs (a Grad level alone, the first output not a scalar loss): `Vjp` in
+  transforms_vjp.py, the forward now and, at `vjp_fn(ct)`, one pipelined call of the gradient
+  of `sum((f * ct).sum())` (the forward recomputed);
 - `vmap(piped)` (a Vmap level): a pipeline of `torch.func.vmap(f)` whose microbatches cut the
   vmapped dimension (`transforms_fns.Lift`, kind "vmap");
 - `vmap(grad(piped))` (per-sample gradients; ensembles over stacked parameters): `_Grad`'s

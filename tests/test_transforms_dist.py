@@ -1,5 +1,5 @@
 """torch.func transforms around a pipelined call under torchrun (NOTE [transforms in a group]):
-grad, grad_and_value, vjp of a scalar, vmap, per-sample gradients (vmap over grad) and
+grad, grad_and_value, vjp of a scalar and of batched outputs, vmap, per-sample gradients (vmap over grad) and
 ensembles (vmap over stacked parameters, of torch.func.grad and of fpipe.grad) give on every rank
 what the unsplit function gives under torch.func in float64, and each rank runs only its stages.
 They used to be refused ("a transform sees only this rank's stages"). Other transforms are
@@ -19,6 +19,8 @@ CASES = [
     "grad",
     "grad_and_value",
     "vjp",
+    "vjp_batched",
+    "vjp_tuple",
     "vmap",
     "per_sample",
     "ensemble",
@@ -80,7 +82,10 @@ def test_transforms_on_replicas_alone(four, case):
     [
         ("jacrev", "called under torch.func transforms (grad over vmap, outermost first) in a process group"),
         ("vmap_jvp", "(vmap over jvp, outermost first)"),
-        ("vjp_batched", "grad or vjp of an output that is not a scalar under torch.func in a process group"),
+        ("vjp_summed", "torch.func.vjp of output 0 (of 1), which is combined over microbatches by 'sum'"),
+        ("vjp_mixed", "torch.func.vjp of output 1 (of 2), which is combined over microbatches by 'mean'"),
+        ("jacrev_batched", "the vjp function of a batched output called under a torch.func transform"),
+        ("vjp_ct_shape", "Mismatch in shape"),
         ("grad_of_grad", "(grad over grad, outermost first)"),
         ("vmap_randomness", "called under vmap(..., randomness='different') in a process group"),
     ],

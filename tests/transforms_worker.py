@@ -18,14 +18,19 @@ import fpipe
 D = 3
 
 
-def chain(stages: int) -> Callable[..., torch.Tensor]:
-    """An MLP of `stages` layers with a boundary after each but the last; a mean-squared error."""
+def chain(stages: int, out: str = "mean") -> Callable[..., Any]:
+    """An MLP of `stages` layers with a boundary after each but the last; a mean-squared error
+    (`out` "rows": each example's; "pair": each example's and the last activations)."""
 
-    def f(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def f(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> Any:
         h = x
         for i in range(stages):
             h = torch.tanh(h @ p[f"w{i}"] + p[f"b{i}"])
             h = fpipe.stage_boundary(h) if i < stages - 1 else h
+        if out == "rows":
+            return ((h - y) ** 2).mean(1)
+        if out == "pair":
+            return ((h - y) ** 2).mean(1), h
         return ((h - y) ** 2).mean()  # (F.mse_loss's double derivative fails under jvp of grad on torch 2.13)
 
     f.__name__ = f"chain{stages}"
@@ -98,6 +103,7 @@ def cases(
             lambda: torch.func.jvp(lambda q: grad(piped)(q, mx, my), (p,), (v,)),
             lambda: torch.func.jvp(lambda q: grad(f)(q, x, y), (p,), (v,)),
         ),
+        **_vjp_runs(piped, stages, (p, x, y), dp, n),
         "vmap_of_something_else": (  # the call's inputs are not batched at the vmap's level
             lambda: vmap(lambda z: grad(piped)(p, mx, my)["w0"] * z)(zs),
             lambda: vmap(lambda z: grad(f)(p, x, y)["w0"] * z)(zs),
@@ -113,6 +119,41 @@ def cases(
     return out
 
 
+def _like(piped: fpipe.Pipelined, f: Callable[..., Any], **over: Any) -> fpipe.Pipelined:
+    """A pipeline of `f` with `piped`'s settings (and `over`)."""
+    keys = ("stages", "microbatches", "schedule", "mesh", "timeout")
+    return fpipe.pipeline(f, **{**{k: getattr(piped.cfg, k) for k in keys}, **over})
+
+
+def _vjp_runs(piped: fpipe.Pipelined, stages: int, pxy: Any, dp: int | None, n: int) -> dict[str, Any]:
+    """torch.func.vjp of batched outputs (each example's loss; and a pair with the activations),
+    pulled back at a cotangent known only at vjp_fn's call: the value, and every argument's part
+    (on a dp mesh: the replica's examples, and the whole batch's parameter gradient)."""
+    p, x, y = pxy
+    mine = (lambda t: t) if dp is None else (lambda t: t.chunk(n)[dp])
+    ct = torch.linspace(-1.0, 1.0, x.shape[0], dtype=torch.float64)
+    ch = torch.cos(torch.arange(x.numel(), dtype=torch.float64)).reshape(x.shape)
+    out = {}
+    todo: list[tuple[str, str, Any]] = [("vjp_batched", "rows", ct), ("vjp_tuple", "pair", (ct, ch))]
+    for name, kind, cts in todo:
+        f, piped_f = chain(stages, kind), _like(piped, chain(stages, kind))
+        out[name] = (
+            lambda f=piped_f, c=cts: _vjp_at(f, (p, mine(x), mine(y)), torch.utils._pytree.tree_map(mine, c)),
+            lambda f=f, c=cts: _vjp_ref(f, (p, x, y), c, mine),
+        )
+    return out
+
+
+def _vjp_at(f: Callable[..., Any], primals: tuple[Any, ...], ct: Any) -> Any:
+    value, vjp_fn = torch.func.vjp(f, *primals)[:2]  # (torch.func.vjp's has_aux=True returns 3)
+    return value, vjp_fn(ct)
+
+
+def _vjp_ref(f: Callable[..., Any], primals: tuple[Any, ...], ct: Any, mine: Callable[..., Any]) -> Any:
+    value, (gp, gx, gy) = _vjp_at(f, primals, ct)
+    return torch.utils._pytree.tree_map(mine, value), (gp, mine(gx), mine(gy))
+
+
 def _gv_ref(f: Callable[..., Any], p: Any, x: torch.Tensor, y: torch.Tensor, dp: int | None, n: int) -> Any:
     (gp, gx), v = torch.func.grad_and_value(f, argnums=(0, 1))(p, x, y)
     return (gp, gx if dp is None else gx.chunk(n)[dp]), v
@@ -121,6 +162,9 @@ def _gv_ref(f: Callable[..., Any], p: Any, x: torch.Tensor, y: torch.Tensor, dp:
 def _refusals(piped: fpipe.Pipelined, p: Any, x: torch.Tensor, y: torch.Tensor) -> dict[str, str]:
     """Transforms fpipe does not distribute: the error each raises (before any transfer)."""
     rows = fpipe.pipeline(_per_row, microbatches=2, mesh=piped.cfg.mesh, timeout=piped.cfg.timeout)
+    summed = _like(rows, _per_row, out_axes="sum")
+    mixed = _like(rows, _rows_and_mean)
+    wrong = torch.ones(x.shape[0] + 1, dtype=torch.float64)
     calls = {
         "jacrev": lambda: torch.func.jacrev(lambda q: torch.func.vmap(piped, in_dims=(None, 0, 0))(q, x, y))(
             p
@@ -129,7 +173,10 @@ def _refusals(piped: fpipe.Pipelined, p: Any, x: torch.Tensor, y: torch.Tensor) 
             x[None]
         ),
         "grad_of_grad": lambda: torch.func.grad(lambda q: _sq(torch.func.grad(piped)(q, x, y)))(p),
-        "vjp_batched": lambda: torch.func.vjp(lambda q: rows(q, x, y), p),
+        "vjp_summed": lambda: torch.func.vjp(lambda q: summed(q, x, y), p),
+        "vjp_mixed": lambda: torch.func.vjp(lambda q: mixed(q, x, y), p),
+        "jacrev_batched": lambda: torch.func.jacrev(lambda q: rows(q, x, y))(p),
+        "vjp_ct_shape": lambda: torch.func.vjp(lambda q: rows(q, x, y), p)[1](wrong),
         "vmap_randomness": lambda: torch.func.vmap(piped, in_dims=(None, 0, 0), randomness="different")(
             p, x, y
         ),
@@ -148,6 +195,12 @@ def _per_row(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> to
     """Each row's squared error: an output that is not a scalar."""
     h = fpipe.stage_boundary(torch.tanh(x @ p["w0"]))
     return ((torch.tanh(h @ p["w1"]) - y) ** 2).mean(1)
+
+
+def _rows_and_mean(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> Any:
+    """Each row's squared error, then their mean: a scalar after a batched first output."""
+    rows = _per_row(p, x, y)
+    return rows, rows.mean()
 
 
 def _sq(g: dict[str, torch.Tensor]) -> torch.Tensor:

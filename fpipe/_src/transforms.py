@@ -10,6 +10,9 @@ schedule, same ranks) and wraps the results back:
 - `grad` / `grad_and_value` / `vjp` of a scalar (a Grad level): `_Grad`, an autograd.Function
   whose forward runs `fpipe.value_and_grad` of the pipeline one level down and whose backward
   returns those gradients times the incoming cotangent;
+- `vjp` of batched outputs (a Grad level alone, the first output not a scalar loss): `Vjp` in
+  transforms_vjp.py, the forward now and, at `vjp_fn(ct)`, one pipelined call of the gradient
+  of `sum((f * ct).sum())` (the forward recomputed);
 - `vmap(piped)` (a Vmap level): a pipeline of `torch.func.vmap(f)` whose microbatches cut the
   vmapped dimension (`transforms_fns.Lift`, kind "vmap");
 - `vmap(grad(piped))` (per-sample gradients; ensembles over stacked parameters): `_Grad`'s
@@ -24,7 +27,6 @@ meta input gets zeros on the meta device).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -38,8 +40,9 @@ from torch._functorch.pyfunctorch import (
 
 from . import inputs as inputs_
 from . import transforms_grads as grads_
+from . import transforms_vjp as vjp_
 from . import tree
-from .transforms_fns import Lift, jvp_lifted, lifted, probe
+from .transforms_fns import Lift, lifted_pipeline, probe, reductions_of
 
 __all__ = ["lifted_call"]
 
@@ -68,7 +71,7 @@ def check_stack(call: str, tp: bool, vg: bool = False) -> list[Any]:
         raise ValueError(
             f"{call}: called under torch.func transforms ({names}, outermost first) in a process "
             f"group{' with tensor parallelism' if tp else ''}; fpipe distributes exactly only grad / "
-            "grad_and_value / vjp of a scalar loss, vmap, vmap over grad (per-sample gradients, "
+            "grad_and_value / vjp (of a scalar loss or of batched outputs), vmap, vmap over grad (per-sample gradients, "
             "ensembles), jvp and jvp over grad (Hessian-vector products), and vmap around "
             "fpipe.value_and_grad, of a pipeline without tensor parallelism (docs/guide/"
             "transforms.md). Compute this one as fpipe.value_and_grad of a pipeline of the "
@@ -96,6 +99,7 @@ class _Ctx:
         self.out_spec: Any = None
         self.n_vals = 0
         self.argnum: list[int] = []  # per tensor leaf: its argnum (0: params; -1: a keyword)
+        self.out_axes: tuple[int | None, ...] = ()  # per output leaf, under a vjp of a batched output
 
     def rebuild(self, tensors: list[torch.Tensor]) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
         ten, stat = iter(tensors), iter(self.statics)
@@ -156,7 +160,12 @@ def _solve(ctx: _Ctx, mode: str, tensors: list[torch.Tensor], diff: list[bool] |
         level = top.level()
         # grad wraps every argument at its level; those it differentiates require grad there
         mine = [torch._C._functorch.maybe_get_level(t) == level and t.requires_grad for t in tensors]
-        return _Grad.apply(ctx, mine, *tensors)
+        try:
+            return _Grad.apply(ctx, mine, *tensors)
+        except vjp_.NotScalar:  # a vjp of a batched output: only directly (transforms_vjp.py)
+            if len(stack) > 1:
+                raise
+            return vjp_.Vjp.apply(ctx, mine, *tensors)
     if top.key() == TransformType.Jvp:
         return _Jvp.apply(ctx, *tensors)
     return _vmapped(ctx, mode, tensors, diff, top)
@@ -171,21 +180,18 @@ def _plain(ctx: _Ctx, mode: str, tensors: list[torch.Tensor], diff: list[bool] |
         return tuple(vals)
     assert diff is not None
     nums = sorted({ctx.argnum[i] for i, d in enumerate(diff) if d})
-    if -1 in nums:
-        raise ValueError(
-            f"{piped.cfg.call}: a keyword argument is differentiated under torch.func in a process "
-            "group; fpipe differentiates positional arguments only. Pass it positionally."
-        )
+    vjp_.refuse_keyword(piped.cfg.call, ctx.argnum, diff)
     try:  # (has_aux=True: a first output that is a scalar loss, any others aux)
         value, grads = piped._value_and_grad(params, args, kwargs, tuple(nums), True)
     except ValueError as err:
         if "must return a scalar loss" not in str(err):
             raise
-        raise ValueError(
+        raise vjp_.NotScalar(
             f"{piped.cfg.call}: grad or vjp of an output that is not a scalar under torch.func in a "
-            "process group; fpipe differentiates a scalar loss (the first output) only, so a vjp "
-            "or jacrev of a batched output is not distributed. Reduce the output to a scalar "
-            "inside the function (e.g. (out * ct).sum()) and take its grad."
+            "process group, inside another transform; fpipe pulls back a batched output only for "
+            "torch.func.vjp(piped, ...) itself (transforms_vjp.py), else differentiates a scalar "
+            "loss (the first output). Reduce the output to a scalar inside the function (e.g. "
+            "(out * ct).sum()) and take its grad."
         ) from err
     vals, ctx.out_spec = tree.flatten(value)
     ctx.n_vals = len(vals)
@@ -287,8 +293,8 @@ def _forward_mode(ctx: _Ctx, kind: str, primals: list[torch.Tensor], tangents: l
 
         p, split, whole = parts(primals)
         targs = parts(tangents)
-        reductions = _reductions(ctx.piped, params, args, kwargs)
-        pipe = _lifted_pipeline(
+        reductions = reductions_of(ctx.piped, params, args, kwargs)
+        pipe = lifted_pipeline(
             ctx.piped, kind, reductions if kind == "jvp" else tree.flatten(reductions)[0][0]
         )
         if kind == "jvp":
@@ -333,7 +339,7 @@ def _vmapped(
             "reads the batch, which may not hold them. Pass every parameter as a real tensor."
         )
     lift = Lift(kind, ctx.spec, ctx.statics, ctx.is_tensor, source, probed)
-    pipe = _lifted_pipeline(ctx.piped, kind)
+    pipe = lifted_pipeline(ctx.piped, kind)
     dev = ctx.piped.pg.device if ctx.piped.pg is not None else torch.device("cpu")
     params, split, whole, dsplit = (tuple(x for x, s in zip(plain, source) if s == k) for k in "pbwd")
     dsplit += tuple(probe(plain[i], batch, dev) for i in probed)
@@ -349,32 +355,3 @@ def _vmapped(
     ctx.n_vals = len(vals)
     wrap = torch._C._functorch._add_batch_dim
     return (*[wrap(v, 0, level) for v in vals], *[None if g is None else wrap(g, 0, level) for g in grads])
-
-
-def _reductions(piped: Any, params: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """How the function's outputs combine over microbatches (its compiled plan's, a pytree like
-    its outputs): a tangent combines as its output does."""
-    _, _, c = piped._get(params, args, kwargs, None, False)
-    return tree.unflatten(list(c.reductions[: c.staged.n_outs]), c.out_spec)
-
-
-def _lifted_pipeline(piped: Any, kind: str, reductions: Any = None) -> Any:
-    """The pipeline of the lifted function of `kind`: piped's settings, its process groups; the
-    microbatches cut the batch (dim 0 of `batched`). Its traces are keyed by `Lift` (a static);
-    a forward-mode one's outputs combine over microbatches as `reductions` say."""
-    pipes = piped.__dict__.setdefault("_lifted", {})
-    key = (kind, repr(reductions))
-    if key not in pipes:
-        cfg = piped.cfg
-        settings = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "f"}
-        if kind in ("jvp", "hvp"):
-            outs = (reductions, reductions) if kind == "jvp" else reductions
-            settings.update(in_axes=(None, 0, None, None, 0, None), out_axes=outs)
-            fn = jvp_lifted(cfg.f, kind)
-        else:
-            settings.update(in_axes=(None, 0, None, 0), out_axes=0 if kind == "vmap" else ("sum", 0))
-            fn = lifted(cfg.f, kind)
-        new = type(piped)(fn, **settings)
-        new.__dict__["_groups"] = piped._groups
-        pipes[key] = new
-    return pipes[key]

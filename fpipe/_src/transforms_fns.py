@@ -11,7 +11,8 @@ The lifted function runs the user's function per example under `torch.func.vmap`
 - "vmap": returns the batched outputs (concatenated over microbatches along the batch);
 - "per_sample": returns `(sum of the per-example losses, the per-example outputs)`; the
   gradient of the sum with respect to the batched inputs, and to a zero probe `z` added to each
-  unbatched differentiated input (`p + z[b]` for example b), is exactly each example's gradient.
+  unbatched differentiated input (`p + z[b]` for example b), is exactly each example's gradient;
+- "vjp" (`vjp_lifted`, not vmapped): `sum((f(...) * ct).sum())`, whose gradient is the vjp at `ct`.
 """
 
 from __future__ import annotations
@@ -30,15 +31,17 @@ from .config import fn_name
 class Lift:
     """One transformed call: its kind, the user's structure, and where each tensor leaf goes."""
 
-    kind: str  # "vmap", "per_sample", "jvp" or "hvp"
+    kind: str  # "vmap", "per_sample", "jvp", "hvp" or "vjp"
     spec: Any  # the treespec of (params, args, kwargs)
     statics: tuple[Any, ...]  # the non-tensor leaves, in order
     is_tensor: tuple[bool, ...]
-    # per tensor leaf: "p" (a parameter), "b" (batched), "w" (whole), "d" (batched, differentiated)
+    # per tensor leaf: "p" (a parameter), "b" (batched), "w" (whole), "d" (batched, differentiated),
+    # "e" (whole, differentiated: "vjp")
     source: tuple[str, ...]
     probed: tuple[int, ...]  # tensor leaves that get a per-example probe (per_sample)
     randomness: str = "error"
-    axes: tuple[int | None, ...] = ()  # per tensor leaf: its microbatch split axis ("jvp", "hvp")
+    axes: tuple[int | None, ...] = ()  # per tensor leaf: its microbatch split axis ("jvp", "hvp", "vjp")
+    out_axes: tuple[int | None, ...] = ()  # per output: its concat axis, None: no cotangent ("vjp")
 
     def data(self, split: Any, whole: Any) -> list[torch.Tensor]:
         """The data leaves in order, each split one with its split axis back in place."""
@@ -121,6 +124,65 @@ def jvp_lifted(f: Callable[..., Any], kind: str) -> Callable[..., Any]:
     return run
 
 
+def vjp_lifted(f: Callable[..., Any]) -> Callable[..., Any]:
+    """The pipelined function of a vjp of batched outputs, `(params, lift, split, whole, dsplit,
+    dwhole, cts)` (split leaves and cotangents: split axis moved to dim 0) -> the scalar
+    `sum((out * ct).sum())` over the output leaves that have a cotangent, whose gradient is the vjp."""
+
+    def run(params: Any, lift: Lift, *parts: Any) -> Any:
+        src = {"p": iter(tree.flatten(params)[0]), **{k: iter(v) for k, v in zip("bwde", parts)}}
+        tensors = [next(src[s]) for s in lift.source]
+        tensors = [x.movedim(0, a) if s in "bd" else x for x, s, a in zip(tensors, lift.source, lift.axes)]
+        stat, ten = iter(lift.statics), iter(tensors)
+        leaves = [next(ten) if t else next(stat) for t in lift.is_tensor]
+        q, args, kwargs = tree.unflatten(leaves, lift.spec)
+        cts, total = iter(parts[4]), None
+        for out, axis in zip(tree.flatten(f(q, *args, **kwargs))[0], lift.out_axes):
+            if axis is None:
+                continue
+            ct = next(cts).movedim(0, axis)
+            if ct.shape != out.shape:  # (vjp_fn checked the whole shapes: a microbatch's cannot differ)
+                raise AssertionError(f"a microbatch's cotangent {tuple(ct.shape)}, output {tuple(out.shape)}")
+            term = (out * ct).sum()
+            total = term if total is None else total + term
+        return total
+
+    run.__name__ = f"vjp({fn_name(f)})"
+    return run
+
+
 def probe(t: torch.Tensor, batch: int, device: torch.device) -> torch.Tensor:
     """A zero per example, shaped like `t` (a view of one zero: no memory)."""
     return torch.zeros((), dtype=t.dtype, device=device).expand(batch, *t.shape)
+
+
+def reductions_of(piped: Any, params: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """How the function's outputs combine over microbatches (its compiled plan's, a pytree like
+    its outputs): a tangent combines as its output does."""
+    _, _, c = piped._get(params, args, kwargs, None, False)
+    return tree.unflatten(list(c.reductions[: c.staged.n_outs]), c.out_spec)
+
+
+def lifted_pipeline(piped: Any, kind: str, reductions: Any = None) -> Any:
+    """The pipeline of the lifted function of `kind`: piped's settings, its process groups; the
+    microbatches cut the batch (dim 0 of `batched`). Its traces are keyed by `Lift` (a static);
+    a forward-mode one's outputs combine over microbatches as `reductions` say."""
+    pipes = piped.__dict__.setdefault("_lifted", {})
+    key = (kind, repr(reductions))
+    if key not in pipes:
+        cfg = piped.cfg
+        settings = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "f"}
+        if kind == "vjp":
+            settings.update(in_axes=(None, 0, None, 0, None, 0), out_axes="sum")
+            fn = vjp_lifted(cfg.f)
+        elif kind in ("jvp", "hvp"):
+            outs = (reductions, reductions) if kind == "jvp" else reductions
+            settings.update(in_axes=(None, 0, None, None, 0, None), out_axes=outs)
+            fn = jvp_lifted(cfg.f, kind)
+        else:
+            settings.update(in_axes=(None, 0, None, 0), out_axes=0 if kind == "vmap" else ("sum", 0))
+            fn = lifted(cfg.f, kind)
+        new = type(piped)(fn, **settings)
+        new.__dict__["_groups"] = piped._groups
+        pipes[key] = new
+    return pipes[key]

@@ -77,7 +77,7 @@ def test_greedy_equals_generate_with_left_padding(name, stages):
     out = run(name, stages)
     assert torch.equal(out, expected), (out, expected)
     assert (mask == 0).any() and len(set(expected[:, PROMPT:].flatten().tolist())) > 3
-    programs = generate_module._TRACES[model_of(name)].programs
+    programs = generate_module.TRACES[model_of(name)].programs
     traced = [k for k in programs if k[1] == stages]
     assert len(traced) == 2  # one prefill and one decode program serve all 8 steps
     assert {programs[k].staged.n_stages for k in traced} == {stages}
@@ -135,7 +135,7 @@ def test_streamer_gets_the_prompt_each_step_then_end():
 @pytest.mark.parametrize("name", FAMILIES)
 def test_each_stage_owns_its_layers_cache_written_in_place(name):
     run(name, 4)
-    programs = generate_module._TRACES[model_of(name)].programs
+    programs = generate_module.TRACES[model_of(name)].programs
     for key, progs in programs.items():
         if key[1] != 4:
             continue

@@ -44,7 +44,7 @@ def test_a_model_moved_to_another_dtype_is_traced_again():
     ids = prompt()
     for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float32):
         check(model.to(dtype), ids)
-    traces = generate_module._TRACES[model]
+    traces = generate_module.TRACES[model]
     assert len(traces.forwards) == 2 * 3  # prefill and decode per dtype; float32 again: reused
     assert {dt for progs in traces.programs.values() for _, _, dt in progs.layout} == {
         torch.float32, torch.float64, torch.bfloat16,
@@ -61,7 +61,7 @@ def test_falcon_multi_query_buffers_sized_from_what_attention_stores():
     )  # fmt: skip
     model = transformers.FalconForCausalLM(cfg).eval()
     check(model, prompt())
-    progs = next(iter(generate_module._TRACES[model].programs.values()))
+    progs = next(iter(generate_module.TRACES[model].programs.values()))
     assert {heads for heads, _, _ in progs.layout} == {1}
 
 

@@ -127,7 +127,7 @@ def test_many_prompt_lengths_are_served_by_a_bounded_number_of_traces():
     for p, h in zip(prompts, handles):
         assert h.new_tokens == alone(model, p, 2)
     assert {(s.rows, s.q) for s in gen.shapes} == {(1, 8), (1, 16), (1, 24), (4, 1)}
-    assert len(generate_module._TRACES[model].forwards) == 4  # the one trace cache (NOTE [trace key])
+    assert len(generate_module.TRACES[model].forwards) == 4  # the one trace cache (NOTE [trace key])
 
 
 def test_cache_slots_from_a_memory_limit():

@@ -171,7 +171,7 @@ def run_rank(
     steps run (the last stage sends every token back to it), the others an empty list; it calls
     `on_step` as each step's tokens are complete. `ends` (EOS ids, pad id): stop a microbatch
     whose sequences have all ended."""
-    rank = _Rank(pg, timeout, feed, on_step, programs(0).staged.n_stages, ends)
+    rank = RankWalk(pg, timeout, feed, on_step, programs(0).staged.n_stages, ends)
     try:
         return rank.run(programs, params, caches, select)
     except (PeerFailure, TimeoutError):
@@ -183,7 +183,7 @@ def run_rank(
         raise RuntimeError(f"fpipe {msg}") from err
 
 
-class _Rank:
+class RankWalk:
     """One rank's walk over (step, microbatch, stage): receive, run the stage, send."""
 
     def __init__(

@@ -32,7 +32,7 @@ from .stage_weights import check_weights, load_stage_weights
 __all__ = ["generate"]
 
 # traced programs per model and trace key: a later generation of the same key traces nothing
-_TRACES: weakref.WeakKeyDictionary[nn.Module, StepTraces] = weakref.WeakKeyDictionary()
+TRACES: weakref.WeakKeyDictionary[nn.Module, StepTraces] = weakref.WeakKeyDictionary()
 _GROUPS: dict[Any, PPGroup] = {}  # one PPGroup (and send thread) per process group
 
 
@@ -107,14 +107,14 @@ def generate(
         ...     max_new_tokens=4, do_sample=False, pad_token_id=0))
         True
     """
-    pg = _group(mesh)
+    pg = group_of(mesh)
     call = check_call(model, input_ids, attention_mask, max_new_tokens, microbatches, stages, pg)
     n_stages = stage_count(call, model, stages, pg)
     path = check_weights(call, model, weights)
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(torch.long)
     eos, pad = eos_and_pad(model, eos_token_id)
     rule, warp = resolve(call, model, do_sample, temperature, top_k, top_p)
-    rule = dataclasses.replace(rule, seed=_seed(seed) if rule.do_sample else 0)
+    rule = dataclasses.replace(rule, seed=seed_of(seed) if rule.do_sample else 0)
     feed = _feed(
         input_ids, mask, max_new_tokens, microbatches, refill_step(model, input_ids.shape[1], max_new_tokens)
     )
@@ -166,14 +166,14 @@ def _same_on_every_rank(
     check_same_values(call, pg, parts, DEFAULT_TIMEOUT, fix)
 
 
-def _group(mesh: Any) -> PPGroup | None:
+def group_of(mesh: Any) -> PPGroup | None:
     found = pp_group(mesh)
     if found is None:
         return None
     return _GROUPS.setdefault(found.group, found)
 
 
-def _seed(seed: int | None) -> int:
+def seed_of(seed: int | None) -> int:
     return int(torch.randint(0, 2**62, ())) if seed is None else int(seed)
 
 
@@ -190,7 +190,7 @@ def _programs(model: nn.Module, feed: Feed, stages: int, device: torch.device) -
     refill's (NOTE [a refill]); each traced at its first use, and kept for the model's later
     generations of the same trace key (NOTE [trace key]: a model moved to another dtype is
     traced again)."""
-    traces = _TRACES.setdefault(model, StepTraces())
+    traces = TRACES.setdefault(model, StepTraces())
     max_len = feed.mask.shape[1]
     got: dict[int, Programs] = {}
 

@@ -33,7 +33,7 @@ from .decode import Shapes, stage_cuts
 from .decode_traces import StepTraces, kv_layout
 from .dist import DEFAULT_TIMEOUT
 from .functionalize import functionalize
-from .generate import _TRACES, _group, _seed
+from .generate import TRACES, group_of, seed_of
 from .generate_check import check_call, eos_and_pad, refill_step, stage_count
 from .generate_sample import Selector
 from .generate_settings import resolve
@@ -130,7 +130,7 @@ class Generator:
         mesh: Any = None,
         buckets: Sequence[int] | None | str = "default",
     ) -> None:
-        self.model, self.max_len, self._pg = model, max_len, _group(mesh)
+        self.model, self.max_len, self._pg = model, max_len, group_of(mesh)
         self.call = f"fpipe.Generator({type(model).__name__}, max_len={max_len})"
         device = next(model.parameters()).device
         call = check_call(model, torch.zeros(1, 1, dtype=torch.long), None, 1, 1, stages, self._pg)
@@ -150,7 +150,7 @@ class Generator:
         self._passes = (
             LocalPasses(params) if self._pg is None else RankPasses(params, self._pg, DEFAULT_TIMEOUT)
         )
-        self._traces: StepTraces = _TRACES.setdefault(model, StepTraces())
+        self._traces: StepTraces = TRACES.setdefault(model, StepTraces())
         self._device = device
         self._queue: deque[_Joining] = deque()
         self._slots: list[Request | None] = [None] * self.max_batch
@@ -178,7 +178,7 @@ class Generator:
         self._check_length(call, ids, max_new_tokens)
         rule, warp = resolve(call, self.model, do_sample, temperature, top_k, top_p)
         given = dataclasses.replace(rule, seed=int(seed) if seed is not None else 0)
-        rule = dataclasses.replace(rule, seed=_seed(seed) if rule.do_sample else 0)
+        rule = dataclasses.replace(rule, seed=seed_of(seed) if rule.do_sample else 0)
         eos, pad = eos_and_pad(self.model, eos_token_id)
         req = Request(self, self.submitted, ids[0], max_new_tokens, Selector(rule, warp, 1, eos, pad), eos)
         self.submitted += 1

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from .decode import Programs
-from .decode_run import _Rank, run_stage
+from .decode_run import RankWalk, run_stage
 from .dist import PeerFailure, PPGroup, exit_hard_after_failure
 
 __all__ = ["LocalPasses", "RankPasses"]
@@ -36,17 +36,17 @@ class LocalPasses:
 
 class RankPasses:
     """This rank's stage (stage = rank): the decode runtime's receives and sends (decode_run's
-    `_Rank`), one pass at a time; the last rank picks the tokens and `share` broadcasts them."""
+    `RankWalk`), one pass at a time; the last rank picks the tokens and `share` broadcasts them."""
 
     def __init__(self, params: dict[str, torch.Tensor], pg: PPGroup, timeout: float) -> None:
         self.params, self.pg, self.timeout = params, pg, timeout
-        self.rank: _Rank | None = None  # made at the first pass (it needs the stage count)
+        self.rank: RankWalk | None = None  # made at the first pass (it needs the stage count)
         self.last = pg.rank == pg.size - 1
 
     def run(self, progs: Programs, env: dict[str, torch.Tensor], what: str) -> torch.Tensor | None:
         n, stage = progs.staged.n_stages, self.pg.rank
         if self.rank is None:
-            self.rank = _Rank(self.pg, self.timeout, None, None, n, None)  # type: ignore[arg-type]
+            self.rank = RankWalk(self.pg, self.timeout, None, None, n, None)  # type: ignore[arg-type]
         rank = self.rank
         rank.where = f"{what} (stage {stage})"
         rank._receive(progs, env, 0, 0, stage)  # (never a stop: the Generator's passes all run)

@@ -39,7 +39,7 @@ from torch._functorch.pyfunctorch import (
 )
 
 from . import inputs as inputs_
-from . import transforms_grads as grads_
+from . import transforms_fns as grads_
 from . import transforms_vjp as vjp_
 from . import tree
 from .transforms_fns import Lift, lifted_pipeline, probe, reductions_of

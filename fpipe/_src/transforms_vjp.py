@@ -22,7 +22,7 @@ import torch
 from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 
 from . import inputs as inputs_
-from . import transforms_grads as grads_
+from . import transforms_fns as grads_
 from . import tree
 from .transforms_fns import Lift, lifted_pipeline
 

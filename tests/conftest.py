@@ -3,6 +3,13 @@ here only those that more than one module uses)."""
 
 from __future__ import annotations
 
+import ast
+import inspect
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
 from dist_launch import read_json, report, run_torchrun, torchrun_cmd
@@ -18,6 +25,65 @@ def trust_launch(tmp_path_factory):
     out = tmp_path_factory.mktemp("trust")
     cmd = torchrun_cmd("trust_dist_worker.py", TRUST_RANKS, "--out", str(out))
     return out, run_torchrun([cmd], out, deadline_s=300.0)
+
+
+# -- the `multirank` marker ---------------------------------------------------------------------------
+# Every test that starts rank processes -- a torchrun launch or bare ranks (tests/dist_launch.py) --
+# is marked `multirank` here, at collection, so `pytest -m "not multirank"` is the single-process
+# inner loop. Found from the code, not from a list: a test launches if its function, a fixture it
+# uses, or a function or class of the tests those reach (transitively, by name) calls one of
+# dist_launch's launchers or names torchrun's module (`python -m torch.distributed.run`).
+
+TESTS = Path(__file__).resolve().parent
+_LAUNCHERS = frozenset({"run_torchrun", "start_ranks", "torchrun_cmd"})
+_TORCHRUN = "torch.distributed.run"
+_launches_memo: dict[int, bool] = {}
+
+
+def _from_tests(obj: Any) -> bool:
+    if not (inspect.isfunction(obj) or inspect.isclass(obj)):
+        return False
+    try:
+        return TESTS in Path(inspect.getsourcefile(obj) or "").resolve().parents
+    except TypeError:
+        return False
+
+
+def _launches(obj: Any) -> bool:
+    """Whether calling `obj` (a function or class of the tests) may start rank processes."""
+    key = id(obj)
+    if key not in _launches_memo:
+        _launches_memo[key] = False  # a cycle of calls adds nothing
+        _launches_memo[key] = _reaches_a_launcher(obj)
+    return _launches_memo[key]
+
+
+def _reaches_a_launcher(obj: Any) -> bool:
+    tree = ast.parse(textwrap.dedent(inspect.getsource(obj)))
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    names |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    strings = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+    if names & _LAUNCHERS or any(_TORCHRUN in s for s in strings):
+        return True
+    scope = getattr(obj, "__globals__", None) or vars(sys.modules[obj.__module__])
+    for name in names & scope.keys():
+        value = scope[name]
+        if isinstance(value, (str, list, tuple, dict)) and _TORCHRUN in repr(value):
+            return True  # a module-level command line
+        if _from_tests(value) and _launches(value):
+            return True
+    return False
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        function = getattr(item, "function", None)
+        if function is None:  # doctests
+            continue
+        defs = getattr(item, "_fixtureinfo").name2fixturedefs.values()
+        used = [function, *(d.func for ds in defs for d in ds if _from_tests(d.func))]
+        if any(_launches(f) for f in used):
+            item.add_marker(pytest.mark.multirank)
 
 
 def pytest_configure(config):

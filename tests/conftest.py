@@ -80,7 +80,7 @@ def pytest_collection_modifyitems(config, items):
         function = getattr(item, "function", None)
         if function is None:  # doctests
             continue
-        defs = getattr(item, "_fixtureinfo").name2fixturedefs.values()
+        defs = item._fixtureinfo.name2fixturedefs.values()
         used = [function, *(d.func for ds in defs for d in ds if _from_tests(d.func))]
         if any(_launches(f) for f in used):
             item.add_marker(pytest.mark.multirank)

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from dist_launch import read_json, report, run_torchrun, torchrun_cmd
+from dist_launch import ROOT, read_json, report, run_torchrun, torchrun_cmd
 
 TRUST_RANKS = 2
 
@@ -119,6 +119,44 @@ def four_ranks(tmp_path_factory):
 
     get.folder = parts  # type: ignore[attr-defined]
     return get
+
+
+TRAIN_GPT = str(ROOT / "examples" / "train_gpt.py")  # absolute: torchrun_cmd joins it to tests/
+TRAIN_GPT_TINY = "--layers 2 --d-model 32 --heads 2 --seq 16 --batch 8 --microbatches 2 --corpus-mib 0.05"
+# name -> (processes, extra options). pp2 runs 6 steps uninterrupted; dp2xpp2 runs 3 and saves a
+# checkpoint, which "resumed" (2 ranks, another layout) continues for steps 4-6.
+# pp2xtp2 (4 ranks, --tp 2) runs 3 steps: tensor parallelism must not change the curve either.
+TRAIN_GPT_LAUNCHES = {
+    "pp2": (2, ("--steps", "6")),
+    "dp2xpp2": (4, ("--dp", "2", "--steps", "3", "--save")),
+    "pp2xtp2": (4, ("--tp", "2", "--steps", "3")),
+}
+
+
+@pytest.fixture(scope="session")
+def train_gpt_launches(tmp_path_factory):
+    """The torchrun launches of `examples/train_gpt.py` (`TRAIN_GPT_LAUNCHES`, started at once on
+    the same global batches, then "resumed": 2 ranks, `--resume`, steps 4-6) that
+    tests/test_example_dp.py compares; tests/test_examples.py reads pp2's log as its torchrun run
+    of the example (4 interpreters importing torch cost more than the run). Returns the output
+    folder (each launch's `NAME.json` loss log) and each launch's torchrun, ended."""
+    out = tmp_path_factory.mktemp("train_gpt")
+    ckpt = str(out / "ckpt")
+
+    def cmd(name: str, n: int, extra: tuple[str, ...]) -> list[str]:
+        given = [a for e in extra for a in ((e, ckpt) if e == "--save" else (e,))]  # --save DIR
+        log = ("--loss-log", str(out / f"{name}.json"))
+        return torchrun_cmd(TRAIN_GPT, n, *TRAIN_GPT_TINY.split(), *given, *log)
+
+    procs = run_torchrun([cmd(k, *v) for k, v in TRAIN_GPT_LAUNCHES.items()], out, deadline_s=240)
+    for name, p in zip(TRAIN_GPT_LAUNCHES, procs):
+        p.name = name
+    launched = dict(zip(TRAIN_GPT_LAUNCHES, procs))
+    if all(p.rc == 0 for p in procs):  # (a failed launch: test_example_dp reports it)
+        again = [cmd("resumed", 2, ("--steps", "6", "--save", "--resume"))]
+        resumed = run_torchrun(again, out / "resumed", 240)  # its own log: node0.log is pp2's
+        launched["resumed"] = resumed[0]
+    return out, launched
 
 
 @pytest.fixture(scope="module")

@@ -62,21 +62,40 @@ def test_a_run_saved_at_dp2xpp2_resumes_on_two_ranks_with_the_same_loss_curve(lo
         assert abs(a - b) <= 1e-5 * abs(a), f"step {step}: uninterrupted {a!r} vs resumed {b!r}\n{losses}"
 
 
-@pytest.mark.parametrize(
-    ("world", "options", "message"),
-    [
-        ("4", "--dp 3", "WORLD_SIZE 4 is not divisible"),
-        ("4", "--dp 2 --batch 6 --microbatches 2", "--batch 6 is not divisible by --dp 2 x --microbatches 2"),
-        ("4", "--tp 3", "--tp 3: must be at least 1 and divide --heads 4"),
-        ("6", "--tp 4 --heads 8", "--tp 4 needs torchrun with WORLD_SIZE = dp x pp x tp processes (got 6)"),
-    ],
-)
-def test_bad_dp_is_refused_before_any_collective(world: str, options: str, message: str) -> None:
+BAD = {  # options: (WORLD_SIZE, what the refusal must say)
+    "--dp 3": ("4", "WORLD_SIZE 4 is not divisible"),
+    "--dp 2 --batch 6 --microbatches 2": ("4", "--batch 6 is not divisible by --dp 2 x --microbatches 2"),
+    "--tp 3": ("4", "--tp 3: must be at least 1 and divide --heads 4"),
+    "--tp 4 --heads 8": ("6", "--tp 4 needs torchrun with WORLD_SIZE = dp x pp x tp processes (got 6)"),
+}
+
+
+@pytest.fixture(scope="module")
+def refused() -> dict[str, tuple[int | None, str, str]]:
+    """Each BAD case's (exit code, stdout, stderr): the processes run at once (each is mostly
+    interpreter start-up and import; one at a time they left a core idle)."""
+    procs = {}
+    for options, (world, _) in BAD.items():
+        env = {**os.environ, "LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": world}
+        procs[options] = subprocess.Popen(
+            [sys.executable, TRAIN_GPT, *options.split()],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+    out = {}
+    try:
+        for options, p in procs.items():
+            stdout, stderr = p.communicate(timeout=120)
+            out[options] = (p.returncode, stdout, stderr)
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()
+    return out
+
+
+@pytest.mark.parametrize("options", list(BAD))
+def test_bad_dp_is_refused_before_any_collective(refused, options: str) -> None:
     """torchrun's variables without a torchrun: the script must exit before it would connect."""
-    env = {**os.environ, "LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": world}
-    p = subprocess.run(
-        [sys.executable, TRAIN_GPT, *options.split()],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert p.returncode == 2, p.stdout + p.stderr
-    assert message in p.stderr, p.stderr
+    code, stdout, stderr = refused[options]
+    assert code == 2, stdout + stderr
+    assert BAD[options][1] in stderr, stderr

@@ -59,7 +59,10 @@ def _launches(obj: Any) -> bool:
 
 
 def _reaches_a_launcher(obj: Any) -> bool:
-    tree = ast.parse(textwrap.dedent(inspect.getsource(obj)))
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(obj)))
+    except (OSError, SyntaxError):  # no source, or a lambda's line that does not parse alone
+        return False
     names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
     names |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
     strings = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)]

@@ -4,7 +4,9 @@ pipeline's loss curve.
 Three torchrun launches of the example, started at once on the same global batches (`--batch` is
 the global batch): 2 ranks forming one 2-stage pipeline (6 steps), 4 ranks as a 2 x 2
 ("dp", "pp") mesh (3 steps, then `--save`), and 4 ranks as 2 stages x 2 tensor-parallel ranks
-(3 steps); a fourth launch resumes the checkpoint on 2 ranks for steps 4-6. Rank 0 of each writes its per-step losses (`--loss-log`); they must agree to fp32 rounding
+(3 steps); a fourth launch resumes the checkpoint on 2 ranks for steps 4-6 (the
+`train_gpt_launches` fixture of tests/conftest.py; tests/test_examples.py reads the 2-rank
+launch's log). Rank 0 of each writes its per-step losses (`--loss-log`); they must agree to fp32 rounding
 (each replica averages its half, then the replicas' losses and gradients are combined: a
 different reduction order, the same mean). Also: a --dp that does not divide the world or the
 batch is refused before any process group starts.
@@ -18,36 +20,18 @@ import subprocess
 import sys
 
 import pytest
-from dist_launch import ROOT, read_json, report, run_torchrun, torchrun_cmd
+from dist_launch import ROOT, read_json, report
 
-TRAIN_GPT = str(ROOT / "examples" / "train_gpt.py")  # absolute: torchrun_cmd joins it to tests/
-TINY = "--layers 2 --d-model 32 --heads 2 --seq 16 --batch 8 --microbatches 2 --corpus-mib 0.05"
-# name -> (processes, extra options). pp2 runs 6 steps uninterrupted; dp2xpp2 runs 3 and saves a
-# checkpoint, which "resumed" (2 ranks, another layout) continues for steps 4-6.
-# pp2xtp2 (4 ranks, --tp 2) runs 3 steps: tensor parallelism must not change the curve either.
-LAUNCHES = {
-    "pp2": (2, ("--steps", "6")),
-    "dp2xpp2": (4, ("--dp", "2", "--steps", "3", "--save")),
-    "pp2xtp2": (4, ("--tp", "2", "--steps", "3")),
-}
+TRAIN_GPT = str(ROOT / "examples" / "train_gpt.py")
 
 
 @pytest.fixture(scope="module")
-def losses(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[float]]:
-    out = tmp_path_factory.mktemp("example_dp")
-    ckpt = str(out / "ckpt")
-
-    def cmd(name: str, n: int, extra: tuple[str, ...]) -> list[str]:
-        given = [a for e in extra for a in ((e, ckpt) if e == "--save" else (e,))]  # --save DIR
-        return torchrun_cmd(TRAIN_GPT, n, *TINY.split(), *given, "--loss-log", str(out / f"{name}.json"))
-
-    procs = run_torchrun([cmd(k, *v) for k, v in LAUNCHES.items()], out, deadline_s=240)  # side by side
-    for name, p in zip(LAUNCHES, procs):
-        p.name = name
-    assert all(p.rc == 0 for p in procs), report(procs)
-    resumed = run_torchrun([cmd("resumed", 2, ("--steps", "6", "--save", "--resume"))], out, deadline_s=240)
-    assert all(p.rc == 0 for p in resumed), report(resumed)
-    return {name: read_json(out / f"{name}.json")["losses"] for name in [*LAUNCHES, "resumed"]}
+def losses(train_gpt_launches) -> dict[str, list[float]]:
+    """Rank 0's per-step losses of each launch (the `train_gpt_launches` fixture of
+    tests/conftest.py: pp2, dp2xpp2 and pp2xtp2 at once, then "resumed")."""
+    out, procs = train_gpt_launches
+    assert "resumed" in procs and all(p.rc == 0 for p in procs.values()), report(list(procs.values()))
+    return {name: read_json(out / f"{name}.json")["losses"] for name in procs}
 
 
 def test_dp_loss_curve_matches_pipeline(losses: dict[str, list[float]]) -> None:
@@ -78,21 +62,40 @@ def test_a_run_saved_at_dp2xpp2_resumes_on_two_ranks_with_the_same_loss_curve(lo
         assert abs(a - b) <= 1e-5 * abs(a), f"step {step}: uninterrupted {a!r} vs resumed {b!r}\n{losses}"
 
 
-@pytest.mark.parametrize(
-    ("world", "options", "message"),
-    [
-        ("4", "--dp 3", "WORLD_SIZE 4 is not divisible"),
-        ("4", "--dp 2 --batch 6 --microbatches 2", "--batch 6 is not divisible by --dp 2 x --microbatches 2"),
-        ("4", "--tp 3", "--tp 3: must be at least 1 and divide --heads 4"),
-        ("6", "--tp 4 --heads 8", "--tp 4 needs torchrun with WORLD_SIZE = dp x pp x tp processes (got 6)"),
-    ],
-)
-def test_bad_dp_is_refused_before_any_collective(world: str, options: str, message: str) -> None:
+BAD = {  # options: (WORLD_SIZE, what the refusal must say)
+    "--dp 3": ("4", "WORLD_SIZE 4 is not divisible"),
+    "--dp 2 --batch 6 --microbatches 2": ("4", "--batch 6 is not divisible by --dp 2 x --microbatches 2"),
+    "--tp 3": ("4", "--tp 3: must be at least 1 and divide --heads 4"),
+    "--tp 4 --heads 8": ("6", "--tp 4 needs torchrun with WORLD_SIZE = dp x pp x tp processes (got 6)"),
+}
+
+
+@pytest.fixture(scope="module")
+def refused() -> dict[str, tuple[int | None, str, str]]:
+    """Each BAD case's (exit code, stdout, stderr): the processes run at once (each is mostly
+    interpreter start-up and import; one at a time they left a core idle)."""
+    procs = {}
+    for options, (world, _) in BAD.items():
+        env = {**os.environ, "LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": world}
+        procs[options] = subprocess.Popen(
+            [sys.executable, TRAIN_GPT, *options.split()],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+    out = {}
+    try:
+        for options, p in procs.items():
+            stdout, stderr = p.communicate(timeout=120)
+            out[options] = (p.returncode, stdout, stderr)
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()
+    return out
+
+
+@pytest.mark.parametrize("options", list(BAD))
+def test_bad_dp_is_refused_before_any_collective(refused, options: str) -> None:
     """torchrun's variables without a torchrun: the script must exit before it would connect."""
-    env = {**os.environ, "LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": world}
-    p = subprocess.run(
-        [sys.executable, TRAIN_GPT, *options.split()],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert p.returncode == 2, p.stdout + p.stderr
-    assert message in p.stderr, p.stderr
+    code, stdout, stderr = refused[options]
+    assert code == 2, stdout + stderr
+    assert BAD[options][1] in stderr, stderr

@@ -45,7 +45,7 @@ from .simulate import validate
 from .split import Staged, count_stages, split, split_backward
 from .tp import check_no_loss_parallel, plain_outputs, refusing_loss_parallel, trace_joint_tp, wrapping
 from .tp_collectives import rewrite
-from .trace import Forward, Joint, fake_like, make_fakes, trace_forward, trace_joint
+from .trace import Forward, Joint, fake_like, forward_as_joint, make_fakes, trace_forward, trace_joint
 
 
 @dataclasses.dataclass
@@ -144,7 +144,7 @@ class Compiler:
         diff: list[int] = []
         loss_shape: tuple[int, ...] = ()
         if grad_of is None:
-            joint = _forward_as_joint(fwd)
+            joint = forward_as_joint(fwd)
         else:
             outs = fwd.gm.graph.find_nodes(op="output")[0].args[0]
             loss_shape = tuple(outs[0].meta["val"].shape)  # type: ignore[index, union-attr]
@@ -379,17 +379,6 @@ def _wanting_grad(
         f.detach().requires_grad_(True) if i in wanted and (f.is_floating_point() or f.is_complex()) else f
         for i, f in enumerate(fakes)
     ]
-
-
-def _forward_as_joint(fwd: Forward) -> Joint:
-    """The forward graph with an (unused) cotangent input, so `split` treats both alike."""
-    gm = fwd.gm
-    last = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
-    with gm.graph.inserting_after(last):
-        gm.graph.placeholder("ct")
-    gm.recompile()
-    n_outs = len(gm.graph.find_nodes(op="output")[0].args[0])
-    return Joint(gm, fwd.n_params, fwd.n_data, len(fwd.consts), n_outs, [])
 
 
 def _shapes(val: Any) -> Any:

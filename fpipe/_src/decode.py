@@ -24,13 +24,12 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from .compiler import _forward_as_joint
 from .functionalize import functionalize
 from .kv_writes import inplace_cache_writes
 from .marker import BOUNDARY
 from .split import split
 from .staged import Program, Staged
-from .trace import Forward, make_fakes, trace_forward
+from .trace import Forward, forward_as_joint, make_fakes, trace_forward
 
 __all__ = ["Layout", "Programs", "Shapes", "decoder_blocks", "example", "trace_programs", "trace_step"]
 
@@ -125,7 +124,7 @@ def trace_programs(model: nn.Module, fwd: Forward, stages: int, layout: Layout) 
     a boundary before every block, and each stage count keeps the boundaries where its stages
     begin: changing `stages` traces nothing again."""
     call = f"fpipe.generate({type(model).__name__}, stages={stages})"
-    staged = split(call, _forward_as_joint(_keeping(fwd, stage_cuts(model, stages))), stages)
+    staged = split(call, forward_as_joint(_keeping(fwd, stage_cuts(model, stages))), stages)
     kv_names = [f"{kind}{i}" for i in range(len(layout) // 2) for kind in "kv"]
     data = dict(zip([*DATA, *kv_names], staged.data_inputs))
     written = {n for p in staged.programs.values() for n in inplace_cache_writes(p.gm)}

@@ -381,6 +381,18 @@ class _Replay(fx.Interpreter):
         return super().call_function(target, args, kwargs)
 
 
+def forward_as_joint(fwd: Forward) -> Joint:
+    """The forward graph with an (unused) cotangent input, so `split` treats both alike (a
+    forward-only pipeline call; generate's decode programs)."""
+    gm = fwd.gm
+    last = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+    with gm.graph.inserting_after(last):
+        gm.graph.placeholder("ct")
+    gm.recompile()
+    n_outs = len(gm.graph.find_nodes(op="output")[0].args[0])
+    return Joint(gm, fwd.n_params, fwd.n_data, len(fwd.consts), n_outs, [])
+
+
 def trace_joint(
     call: str, fwd: Forward, fakes: Sequence[torch.Tensor], diff: list[int], has_aux: bool
 ) -> Joint:

@@ -18,7 +18,6 @@ from . import execute as execute_
 from . import inputs as inputs_
 from . import memory as memory_
 from . import outputs, tree
-from .checkpoint_job import check_earlier
 from .compiler import Compiled, Compiler
 from .config import Config
 from .dist import DEFAULT_TIMEOUT, PeerFailure, PPGroup
@@ -126,7 +125,8 @@ class Pipelined:
                 "transfers by order). Call it from one thread at a time."
             )
         try:
-            check_earlier(self.cfg.call)  # an async_save that failed: said before anything runs
+            for check in execute_.BEFORE_CALLS:  # e.g. an async_save that failed: said before anything runs
+                check(self.cfg.call)
             return fn(params, args, kwargs, *rest)
         except (PeerFailure, TimeoutError) as err:
             if "_groups" in self.__dict__:

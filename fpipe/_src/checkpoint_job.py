@@ -32,6 +32,7 @@ import torch
 from . import checkpoint_files as files
 from . import checkpoint_format as fmt
 from .checkpoint_files import CheckpointError
+from .execute import check_before_calls
 
 __all__ = ["AsyncCheckpoint", "Job", "check_earlier", "wait_earlier"]
 
@@ -209,3 +210,4 @@ def _at_exit() -> None:
 
 
 atexit.register(_at_exit)
+check_before_calls(check_earlier)  # the next pipeline call raises an earlier failure

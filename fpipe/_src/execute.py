@@ -28,6 +28,15 @@ from .run import Results
 from .schedule_data import Action
 from .sharding import Gatherer, local_leaves
 
+BEFORE_CALLS: list[Callable[[str], None]] = []  # run first by every pipeline call (api.py)
+
+
+def check_before_calls(check: Callable[[str], None]) -> None:
+    """Run `check(call)` first in every pipeline call, before anything runs (a raise is the
+    call's failure). The checkpoints register theirs (an earlier `async_save` that failed:
+    NOTE [a save's failure is never lost]): they build on the pipeline, which cannot import them."""
+    BEFORE_CALLS.append(check)
+
 
 def execute(
     cfg: Config,

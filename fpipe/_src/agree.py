@@ -23,7 +23,6 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from .dist import PPGroup
-from .inputs import Inputs
 from .schedule_data import Schedule
 from .staged import Program, Staged
 from .trace_key import tensor_key
@@ -214,12 +213,12 @@ def check_same_values(call: str, pg: PPGroup, parts: dict[str, Any], timeout: fl
 
 
 def check_same_slices(
-    call: str, dp: PPGroup, key: Any, inp: Inputs, names: list[str], timeout: float
+    call: str, dp: PPGroup, key: Any, data: list[torch.Tensor], names: list[str], timeout: float
 ) -> None:
     """Every replica must pass slices of one signature: compare the trace keys over dp (one
     all-gather of two numbers per call); on a difference, name the ranks and the first argument
     that differs (a second all-gather, on every replica alike)."""
-    leaves = [repr(tensor_key(t, t.device.type)) for t in inp.data_leaves]
+    leaves = [repr(tensor_key(t, t.device.type)) for t in data]
     every = gather_digests(dp, [digest(repr(key)), len(leaves)], timeout, "comparing the replicas' inputs")
     differ = odd_ranks([tuple(v) for v in every])
     if differ is None:
@@ -230,7 +229,7 @@ def check_same_slices(
         odd = [j for j in range(len(leaves)) if odd_ranks([p[j] for p in per]) is not None]
         if odd:
             j = odd[0]
-            where = f"argument {names[j]} (this rank's: shape {tuple(inp.data_leaves[j].shape)}, {inp.data_leaves[j].dtype})"
+            where = f"argument {names[j]} (this rank's: shape {tuple(data[j].shape)}, {data[j].dtype})"
     ranks = [[dp.global_rank(r) for r in side] for side in differ]
     raise ValueError(
         f"{call}: data-parallel ranks {ranks[0]} were called with inputs that differ from ranks "

@@ -25,7 +25,6 @@ from .precision import Precision, cast_inputs
 from .replicas import Groups, mesh_groups
 from .run import Results, Timeline
 from .schedule import Schedule
-from .tp import localize
 
 __all__ = ["pipeline", "Pipelined"]
 
@@ -83,7 +82,7 @@ class Pipelined:
         self._groups.begin_call()
         g = self._groups
         inputs_.refuse_transforms_in_a_group(self.cfg.call, g.pp or g.dp or g.tp)
-        inp = localize(self.cfg.call, inputs_.flatten(self.cfg, params, args, kwargs), g.tp_mesh)
+        inp = inputs_.localize(self.cfg.call, inputs_.flatten(self.cfg, params, args, kwargs), g.tp_mesh)
         inp = cast_inputs(self.cfg.precision, inp)  # once per step (precision.py)
         mbs = inputs_.split(self.cfg, inp, self._groups.replicas)
         return inp, mbs, self._compiler.get(inp, mbs[0], grad_of, has_aux)

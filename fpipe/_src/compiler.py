@@ -105,7 +105,7 @@ class Compiler:
             check_same_signature(self.cfg.call, self.tp, tp_key, shapes, self.cfg.timeout, "tensor-parallel")
         if self.dp is not None:
             names = inputs_.leaf_names(self.cfg.f, inp.data_spec, inp.is_tensor)
-            check_same_slices(self.cfg.call, self.dp, key, inp, names, self.cfg.timeout)
+            check_same_slices(self.cfg.call, self.dp, key, inp.data_leaves, names, self.cfg.timeout)
         compiled = self.cache.get(key[:2])
         if compiled is None:
             # Trace outside any active torch.func transform (grad(piped), vmap(piped)): the

@@ -95,7 +95,7 @@ def _reducer(cfg: Config, dp: PPGroup | None, inp: Inputs, c: Compiled, summed: 
     positions = {st.n_outs + j: pos for j, pos in enumerate(c.diff) if pos < len(params)}
     sharded = {i: params[pos] for i, pos in positions.items() if isinstance(params[pos], DTensor)}
     actions = c.runner.local_actions
-    return GradReducer(dp, c, actions, summed, sharded, cfg.timeout, cfg.precision)  # type: ignore[arg-type]
+    return GradReducer(dp, c.staged, actions, summed, sharded, cfg.timeout, cfg.precision)  # type: ignore[arg-type]
 
 
 def _gatherer(

@@ -16,10 +16,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from . import tree
 from .config import Config
 from .dist import PPGroup
+from .tp import split_params
 from .trace_key import trace_key
 
 
@@ -239,3 +241,16 @@ def param_keys(inp: Inputs) -> list[Any]:
     for k, i in positions.items():
         keys[i] = k
     return keys
+
+
+def localize(call: str, inp: Inputs, tp_mesh: Any) -> Inputs:
+    """`inp` with its tensor-parallel parameters as local shards (`inp.tp`; NOTE [tensor-parallel
+    tracing] in tp.py)."""
+    leaves, specs = split_params(call, inp.param_leaves, param_keys(inp), tp_mesh)
+    if specs and any(isinstance(t, DTensor) for t in inp.data_leaves):
+        raise TypeError(
+            f"{call}: a data argument is a DTensor; with tensor-parallel parameters pass the data "
+            "as plain tensors, the same on every tp rank (the plan's input hooks distribute them, "
+            "as in eager tensor parallelism)."
+        )
+    return dataclasses.replace(inp, param_leaves=leaves, tp=specs) if specs else inp

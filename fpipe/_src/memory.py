@@ -166,7 +166,7 @@ class _Replay:
     # -- one program ----------------------------------------------------------------------------
     def variant(self, prog: Program) -> tuple[Any, dict[int, Any]]:
         """The graph the runner runs for `prog` and the sums it adds into (`run.run_program`)."""
-        outs_of = self.runner._out_index.get(prog.place, ())
+        outs_of = self.runner.out_index.get(prog.place, ())
         own = {n: i for i, n, only in outs_of if only and i in self.summed}
         if self.n_mb > 1 and own:
             gm, sums_like = accumulating(prog, tuple(own), self.widen)
@@ -203,7 +203,7 @@ class _Replay:
 
     def results(self, a: Action, prog: Program, fused: dict[int, Any], pr: Profile) -> None:
         """What `Results.put` holds of `prog`'s step outputs."""
-        for i, name, _ in self.runner._out_index.get(prog.place, ()):
+        for i, name, _ in self.runner.out_index.get(prog.place, ()):
             key = self.key_of(a.mb, name)
             if i in fused:
                 continue

@@ -26,12 +26,12 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
 
-from .compiler import Compiled
 from .dist import PPGroup, group_of, pp_group
 from .precision import Precision, for_reduce
 from .run import Results, action_place
 from .schedule_data import Action
 from .sharding import launch_reduce_scatter, unpack_scatter
+from .staged import Staged
 from .tp_collectives import activate
 
 BUCKET_BYTES = 25 * 2**20
@@ -115,7 +115,7 @@ class GradReducer:
     def __init__(
         self,
         dp: PPGroup,
-        c: Compiled,
+        st: Staged,
         local: list[Action],
         summed: frozenset[int],
         sharded: dict[int, DTensor],
@@ -124,7 +124,7 @@ class GradReducer:
     ):
         self.dp, self.timeout, self.sharded = dp, timeout, sharded  # sharded: output -> its parameter
         self.precision = precision  # the reduction's dtype (NOTE [precision policy] in precision.py)
-        st, last = c.staged, {action_place(a): a for a in local}  # each place's last action here
+        last = {action_place(a): a for a in local}  # each place's last action here
         order = {a: k for k, a in enumerate(local)}
         self.at: dict[Action, list[int]] = {}
         for i in sorted(summed):  # after the last action here that writes it (or a contribution)

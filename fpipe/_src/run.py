@@ -325,7 +325,7 @@ class LocalRunner:
         self.order = execution_order(schedule, self.deps)
         self.timeline = Timeline()
         self.refcount = {name: len(places) for name, places in staged.consumers.items()}
-        self._out_index = outputs_by_program(staged, lambda place: True)
+        self.out_index = outputs_by_program(staged, lambda place: True)
         # Set `record_memory` to have each step record, after every action, the bytes of the
         # values the runner holds for the microbatches (`live_bytes`) in `memory`: (action, bytes).
         self.record_memory = False
@@ -372,7 +372,7 @@ class LocalRunner:
             rank = self.schedule.stage_rank[a.stage]
             if before is not None:
                 before(a)
-            run_program(prog, a, rank, envs[a.mb], glob, self.timeline, self._out_index, results)
+            run_program(prog, a, rank, envs[a.mb], glob, self.timeline, self.out_index, results)
             release(prog, envs[a.mb], left[a.mb])
             if after is not None:
                 after(a, results)

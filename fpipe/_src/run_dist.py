@@ -80,7 +80,7 @@ class DistRunner:
         self.incoming = {(t.src, t.index): t for g in self.plan.groups[self.rank] for t in g.recvs}
         self.local_refs = self._local_refcounts()
         self.timeline = Timeline()
-        self._out_index = outputs_by_program(staged, lambda place: self.rank_of(place) == self.rank)
+        self.out_index = outputs_by_program(staged, lambda place: self.rank_of(place) == self.rank)
         self.b_parts = self._plan_backward_parts()
 
     @functools.cached_property
@@ -143,8 +143,8 @@ class DistRunner:
             if pair is None:
                 continue
             for part in pair:  # the step outputs each part computes
-                self._out_index[part.place] = [
-                    e for e in self._out_index.get(place, []) if e[1] in part.outputs
+                self.out_index[part.place] = [
+                    e for e in self.out_index.get(place, []) if e[1] in part.outputs
                 ]
             parts[a.stage] = pair
         return parts
@@ -210,7 +210,7 @@ class DistRunner:
         parts = self.b_parts.get(a.stage) if a.kind == "B" else None
         run = functools.partial(
             run_program, a=a, rank=self.rank, env=env, glob=glob, timeline=self.timeline,
-            out_index=self._out_index, results=results,
+            out_index=self.out_index, results=results,
         )  # fmt: skip
         if parts is None:
             run(prog)

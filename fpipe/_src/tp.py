@@ -209,20 +209,6 @@ def _fake_of(ct: fx.Node, t: torch.Tensor) -> torch.Tensor:
         return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=ct.meta["val"].device)
 
 
-def localize(call: str, inp: Any, tp_mesh: Any) -> Any:
-    """`inp` (inputs.Inputs) with its tensor-parallel parameters as local shards (`inp.tp`)."""
-    from .inputs import param_keys
-
-    leaves, specs = split_params(call, inp.param_leaves, param_keys(inp), tp_mesh)
-    if specs and any(isinstance(t, DTensor) for t in inp.data_leaves):
-        raise TypeError(
-            f"{call}: a data argument is a DTensor; with tensor-parallel parameters pass the data "
-            "as plain tensors, the same on every tp rank (the plan's input hooks distribute them, "
-            "as in eager tensor parallelism)."
-        )
-    return dataclasses.replace(inp, param_leaves=leaves, tp=specs) if specs else inp
-
-
 # -- loss_parallel ------------------------------------------------------------------------------
 # torch.distributed.tensor.parallel.loss_parallel() installs DTensor handlers for cross-entropy
 # on vocab-sharded logits; fpipe's tracing (NOTE [tensor-parallel tracing]) hands the loss plain

@@ -13,7 +13,7 @@ from typing import Any
 
 from .cuts import check_cuts
 from .dist import DEFAULT_TIMEOUT
-from .precision import check as check_precision
+from .precision import check_precision
 from .schedule import Schedule, names
 
 REDUCTIONS = ("mean", "sum")

@@ -72,7 +72,7 @@ def of(setting: Precision | None) -> Precision:
     return DEFAULT if setting is None else setting
 
 
-def check(call: str, setting: object) -> None:
+def check_precision(call: str, setting: object) -> None:
     """`pipeline(precision=...)`: a `Precision` or None."""
     if setting is None:
         return

@@ -16,11 +16,11 @@ import torch
 
 from . import execute as execute_
 from . import inputs as inputs_
-from . import memory as memory_
 from . import outputs, tree
 from .compiler import Compiled, Compiler
 from .config import Config
 from .dist import DEFAULT_TIMEOUT, PeerFailure, PPGroup
+from .memory import MemoryReport, predict_plan
 from .precision import Precision, cast_inputs
 from .replicas import Groups, mesh_groups
 from .run import Results, Timeline
@@ -144,13 +144,13 @@ class Pipelined:
         traced programs and the schedule, before running anything."""
         return self.memory_report(params, *args, **kwargs).peak
 
-    def memory_report(self, params: Any, *args: Any, **kwargs: Any) -> memory_.MemoryReport:
+    def memory_report(self, params: Any, *args: Any, **kwargs: Any) -> MemoryReport:
         """`memory` with a per-stage breakdown (`.table()`): NOTE [predicting memory] in memory.py."""
         return self._guarded(self._memory, params, args, kwargs)
 
-    def _memory(self, params: Any, args: Args, kwargs: Kwargs) -> memory_.MemoryReport:
+    def _memory(self, params: Any, args: Args, kwargs: Kwargs) -> MemoryReport:
         inp, _, c = self._get(params, args, kwargs, (0,), None)  # None: aux or not, as f returns
-        return memory_.predict_plan(c, inp, self.cfg.microbatches, self.cfg.precision)
+        return predict_plan(c, inp, self.cfg.microbatches, self.cfg.precision)
 
     # -- what this rank holds -------------------------------------------------------------------
     @property

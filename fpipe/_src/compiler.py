@@ -18,6 +18,7 @@ import torch
 from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 
 from . import inputs as inputs_
+from . import split as split_
 from .agree import (
     check_same_program,
     check_same_signature,
@@ -42,7 +43,7 @@ from .run_dist import DistRunner
 from .schedule import Schedule, build, stages_per_rank
 from .sharding import check_sharded
 from .simulate import validate
-from .split import Staged, count_stages, split, split_backward
+from .split import Staged, count_stages, split_backward
 from .tp import check_no_loss_parallel, plain_outputs, refusing_loss_parallel, trace_joint_tp, wrapping
 from .tp_collectives import rewrite
 from .trace import Forward, Joint, fake_like, forward_as_joint, make_fakes, trace_forward, trace_joint
@@ -198,7 +199,7 @@ class Compiler:
 
     def _stage(self, joint: Joint) -> tuple[Staged, Schedule]:
         """Split the joint graph, schedule its stages, split backwards where the schedule asks."""
-        staged = split(self.cfg.call, joint, self.cfg.stages)
+        staged = split_.split(self.cfg.call, joint, self.cfg.stages)
         sched = self._schedule(staged.n_stages)
         staged = self._split_backward(staged, sched)
         if self.cfg.compile:

@@ -24,10 +24,10 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from .functionalize import functionalize
+from . import functionalize as functionalize_
+from . import split as split_
 from .kv_writes import inplace_cache_writes
 from .marker import BOUNDARY
-from .split import split
 from .staged import Program, Staged
 from .trace import Forward, forward_as_joint, make_fakes, trace_forward
 
@@ -124,7 +124,7 @@ def trace_programs(model: nn.Module, fwd: Forward, stages: int, layout: Layout) 
     a boundary before every block, and each stage count keeps the boundaries where its stages
     begin: changing `stages` traces nothing again."""
     call = f"fpipe.generate({type(model).__name__}, stages={stages})"
-    staged = split(call, forward_as_joint(_keeping(fwd, stage_cuts(model, stages))), stages)
+    staged = split_.split(call, forward_as_joint(_keeping(fwd, stage_cuts(model, stages))), stages)
     kv_names = [f"{kind}{i}" for i in range(len(layout) // 2) for kind in "kv"]
     data = dict(zip([*DATA, *kv_names], staged.data_inputs))
     written = {n for p in staged.programs.values() for n in inplace_cache_writes(p.gm)}
@@ -143,7 +143,7 @@ def trace_programs(model: nn.Module, fwd: Forward, stages: int, layout: Layout) 
 
 
 def _param_items(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    return list(functionalize(model)[1].items())
+    return list(functionalize_.functionalize(model)[1].items())
 
 
 def _keeping(fwd: Forward, cuts: list[int]) -> Forward:
@@ -168,7 +168,7 @@ def trace_step(call: str, model: nn.Module, shapes: Shapes, device: torch.device
     every decoder block."""
     from .kv_cache import SlotCache  # (transformers: imported when a step is traced, not by fpipe)
 
-    fn, params = functionalize(model)
+    fn, params = functionalize_.functionalize(model)
     names = list(params)
     extra, cache_kw = forward_kwargs(model), cache_kwarg(model)
 

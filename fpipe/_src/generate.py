@@ -17,12 +17,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import functionalize as functionalize_
 from .agree import check_same_values
 from .decode import Programs, Shapes
 from .decode_run import Feed, StageCaches, run_local, run_rank
 from .decode_traces import StepTraces
 from .dist import DEFAULT_TIMEOUT, PPGroup, pp_group
-from .functionalize import functionalize
 from .generate_check import check_call, eos_and_pad, refill_step, stage_count
 from .generate_sample import Sampling, Selector
 from .generate_settings import resolve
@@ -110,7 +110,7 @@ def generate(
         input_ids, mask, max_new_tokens, microbatches, refill_step(model, input_ids.shape[1], max_new_tokens)
     )
     programs = _programs(model, feed, n_stages, input_ids.device)
-    _, params = functionalize(model)
+    _, params = functionalize_.functionalize(model)
     mine = list(range(n_stages)) if pg is None else [pg.rank]
     caches = StageCaches(programs(0), mine, feed)
     selector = Selector(rule, warp, input_ids.shape[0], eos, pad)

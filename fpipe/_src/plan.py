@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
+from . import simulate as simulate_
 from .dist import DEFAULT_TIMEOUT
 from .group_start import start_group
 from .plan_cost import OPTIMIZERS, Links, StageTimes, crossing_bytes, rank_memory, world
@@ -46,7 +47,6 @@ from .plan_verify import verify as verify_
 from .remat_choose import HEADROOM_PERCENT, least_limit, target_of
 from .schedule import build, names
 from .schedule_data import Schedule
-from .simulate import simulate
 
 __all__ = ["Plan", "plan"]
 
@@ -216,7 +216,7 @@ def _predict(c: _Candidate, t: StageTimes, ms: Measured, opt_factor: int) -> Pla
     weight = [k["W"][s] if s in iw else 0.0 for s in range(n)]
     nbytes, transfers = crossing_bytes(t.compiled, c.sched)
     comm = ms.links.p2p(nbytes / transfers) if transfers else 0.0
-    sim = simulate(c.sched, forward=k["F"], backward=backward, weight=weight, comm=comm)
+    sim = simulate_.simulate(c.sched, forward=k["F"], backward=backward, weight=weight, comm=comm)
     reports = rank_memory(t.compiled, c.sched, c.m)
     grads = [sum(s.grads for s in r.stages) for r in reports]
     busiest = max(range(c.pp), key=lambda r: grads[r])

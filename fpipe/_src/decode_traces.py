@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import trace_key as trace_key_
 from .decode import (
     DATA,
     Layout,
@@ -30,7 +31,6 @@ from .decode import (
     trace_step,
 )
 from .trace import Forward, make_fakes
-from .trace_key import trace_key
 
 __all__ = ["StepTraces", "kv_layout"]
 
@@ -49,12 +49,12 @@ class StepTraces:
         """The programs of the model's step at `shapes` on `stages` stages, traced at the first
         use of their key."""
         names, leaves = _state(model)
-        model_key = trace_key(device.type, names, leaves, (), ())
+        model_key = trace_key_.trace_key(device.type, names, leaves, (), ())
         if model_key not in self.layouts:
             self.layouts[model_key] = kv_layout(model, device)
         layout = self.layouts[model_key]
         kv_names = [f"{kind}{i}" for i in range(len(layout) // 2) for kind in "kv"]
-        key = trace_key(device.type, names, leaves, [*DATA, *kv_names], example(shapes, layout))
+        key = trace_key_.trace_key(device.type, names, leaves, [*DATA, *kv_names], example(shapes, layout))
         if (key, stages) not in self.programs:
             if key not in self.forwards:
                 call = f"fpipe.generate({type(model).__name__}, stages={stages})"

@@ -18,11 +18,11 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from . import trace_key as trace_key_
 from . import tree
 from .config import Config
 from .dist import PPGroup
 from .tp import split_params
-from .trace_key import trace_key
 
 
 @dataclasses.dataclass
@@ -45,7 +45,7 @@ class Inputs:
         """Everything a trace depends on (NOTE [trace key] in trace_key.py); `device_type`:
         where meta tensors are traced (the data's device)."""
         tp = tuple(s and s.key() for s in self.tp) if self.tp else None
-        return trace_key(
+        return trace_key_.trace_key(
             device_type, self.param_spec, self.param_leaves, self.data_spec, self.data_leaves,
             self.axes, self.statics, tp,
         )  # fmt: skip

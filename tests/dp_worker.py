@@ -263,8 +263,8 @@ def indivisible(mesh: Any) -> str:
 def gather_log(mesh: Any) -> dict[str, Any]:
     """Sharded parameters on a schedule with two stages per rank (zbv), over two steps: when each
     is gathered, made whole and dropped, by this rank's action index (NOTE [gathered stage by
-    stage] in fpipe/_src/sharding.py)."""
-    from fpipe._src import sharding
+    stage] in fpipe/_src/parallel/sharding.py)."""
+    from fpipe._src.parallel import sharding
 
     events: list[tuple[str, str, int]] = []  # (event, parameter, action index)
     where = {"k": -1}

@@ -1,7 +1,7 @@
 """Worker for `tests/test_exit.py`: two ranks each leave a send the other never receives (what a
 pipeline failure leaves behind) in fpipe's send reaper, then both end normally at the same moment.
 
-Without NOTE [threads at exit] (fpipe/_src/exiting.py), one rank's exit ends the other's send
+Without NOTE [threads at exit] (fpipe/_src/runtime/exiting.py), one rank's exit ends the other's send
 wait while that process is tearing down, and it aborts ("terminate called without an active
 exception"); most launches of this pair abort one rank.
 """
@@ -13,8 +13,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from fpipe._src import dist as fdist
-from fpipe._src.run_dist import send_reaper
+from fpipe._src.runtime import dist as fdist
+from fpipe._src.runtime.run_dist import send_reaper
 
 
 def main() -> None:

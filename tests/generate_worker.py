@@ -106,7 +106,7 @@ class Share:
     records the decoder layers whose K/V buffers it allocates (`StageCaches`)."""
 
     def __init__(self) -> None:
-        from fpipe._src import decode_run
+        import fpipe._src.generate.decode_run as decode_run
 
         self.stages: Counter[int] = Counter()
         self.ops = 0
@@ -199,7 +199,7 @@ def fail(model: torch.nn.Module, rank: int, out: str) -> None:
     """Last: rank 2's stage raises at step 2 of a 4-rank generation. Every rank records what it
     raised and how long that took, then leaves at once with status 0 (so torchrun lets the
     others finish theirs; the process group is broken, so no teardown)."""
-    from fpipe._src import decode_run
+    import fpipe._src.generate.decode_run as decode_run
 
     inner = decode_run.run_stage
 

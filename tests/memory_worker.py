@@ -97,7 +97,7 @@ def stepbuf() -> Case:
 class CNN(torch.nn.Module):
     """A small convolutional classifier (five 3x3 convolutions, the last strided, and a linear
     head): the convolutions' kernel workspaces are a share of its step (NOTE [kernel
-    workspaces] in fpipe/_src/workspace.py)."""
+    workspaces] in fpipe/_src/memory/workspace.py)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -223,7 +223,7 @@ def planned() -> dict[str, Any]:
     the plan under the least limit a candidate's predicted peak meets, its chosen layout's step
     measured: resident-set growth plus this rank's parameters and their AdamW state (2x), which
     the step does not allocate."""
-    from fpipe._src.remat_choose import least_limit
+    from fpipe._src.memory.remat_choose import least_limit
 
     loss_fn, params, (tokens, targets) = elementwise()
     plan = fpipe.plan(loss_fn, params, tokens, targets, world_size=2)  # the README's call

@@ -33,8 +33,9 @@ import torch.distributed as dist
 from dist_worker import MLP
 
 import fpipe
-from fpipe._src import comm, run_dist
-from fpipe._src.run_dist import EMULATE_NCCL_ORDER
+from fpipe._src.runtime import run_dist
+from fpipe._src.runtime.run_dist import EMULATE_NCCL_ORDER
+from fpipe._src.schedules import comm
 
 TIMEOUT_S = 20.0  # a deadlocked plan fails after this, per wait (a case may set "timeout")
 BATCH = 12

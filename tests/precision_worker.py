@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import fpipe
-from fpipe._src import precision as precision_
-from fpipe._src import replicas
+from fpipe._src.parallel import replicas
+from fpipe._src.runtime import precision as precision_
 
 D, BATCH, M = 8, 32, 4
 

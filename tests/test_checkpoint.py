@@ -1,4 +1,4 @@
-"""fpipe.save / fpipe.load / fpipe.async_save in one process (fpipe/_src/checkpoint*.py).
+"""fpipe.save / fpipe.load / fpipe.async_save in one process (fpipe/_src/training/checkpoint*.py).
 
 Round trips of parameters, optimizer state and `extra`; a tied model; resuming after 3 AdamW
 steps equals an uninterrupted 6-step run; names and shapes that differ, missing and truncated
@@ -18,7 +18,7 @@ from ckpt_worker import LR, build, piped_for, reference, train
 from torch import nn
 
 import fpipe
-from fpipe._src import checkpoint_files
+from fpipe._src.training import checkpoint_files
 
 DT = torch.float64
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import fpipe
-from fpipe._src import checkpoint_files
+from fpipe._src.training import checkpoint_files
 
 CHILD = textwrap.dedent(
     """

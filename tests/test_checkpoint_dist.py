@@ -1,5 +1,5 @@
 """Checkpoints move between layouts (NOTE [checkpoints move between layouts] in
-fpipe/_src/checkpoint.py): two torchrun launches of `tests/ckpt_worker.py` for the module (gloo).
+fpipe/_src/training/checkpoint.py): two torchrun launches of `tests/ckpt_worker.py` for the module (gloo).
 The first trains a tied model 3 AdamW steps at pp=2 and saves it (`fpipe.save` and
 `fpipe.async_save`); the second resumes it, built on the meta device and materialised, at pp=4
 and at dp=2 x pp=2 (replicated, and sharded as DTensors), and loads a GPT-2 `save_pretrained`

@@ -1,4 +1,4 @@
-"""fpipe.CheckpointManager in one process (fpipe/_src/checkpoint_manager.py).
+"""fpipe.CheckpointManager in one process (fpipe/_src/training/checkpoint_manager.py).
 
 Step folders, saving every N steps, keeping the last K and deleting only its own folders (a run
 folder's other files, a user's folder named like a step, survive), `latest()` after a save that
@@ -159,7 +159,7 @@ def test_async_saves_the_values_of_the_call_and_prunes_once_published(tmp_path):
 
 
 def test_an_async_failure_is_raised_by_the_next_save_or_wait_and_is_no_step(tmp_path, monkeypatch):
-    from fpipe._src import checkpoint_format
+    from fpipe._src.training import checkpoint_format
 
     mgr = fpipe.CheckpointManager(tmp_path, keep=2, every=1, async_=True)
     mgr.save(1, _params(1))

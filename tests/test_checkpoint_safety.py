@@ -24,12 +24,12 @@ import pytest
 import torch
 
 import fpipe
-from fpipe._src import checkpoint_files
+from fpipe._src.training import checkpoint_files
 
 
 def _fmt():  # type: ignore[no-untyped-def]
     """fpipe's checkpoint data formats (imported here: a module base b6b0e74 lacks)."""
-    from fpipe._src import checkpoint_format
+    from fpipe._src.training import checkpoint_format
 
     return checkpoint_format
 
@@ -289,7 +289,7 @@ def test_a_failed_async_save_nobody_waited_for_fails_the_next_fpipe_call(tmp_pat
 EXITS = textwrap.dedent(
     """
     import errno, sys, torch, fpipe
-    from fpipe._src import checkpoint_format
+    from fpipe._src.training import checkpoint_format
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device", str(args[0]))
     checkpoint_format.write_safetensors = full

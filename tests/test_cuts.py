@@ -1,4 +1,4 @@
-"""Cuts by module path (NOTE [cuts by module path] in fpipe/_src/cuts.py): `pipeline(f, cuts=...)`
+"""Cuts by module path (NOTE [cuts by module path] in fpipe/_src/tracing/cuts.py): `pipeline(f, cuts=...)`
 gives the stages, programs and gradients of the equivalent `stage_boundary` calls; the rule
 forms name the same modules as the list they stand for; bad paths and rules are refused with
 the closest real paths."""
@@ -12,7 +12,7 @@ import torch
 from models import GPT, compiled, lm_loss
 
 import fpipe
-from fpipe._src.agree import fingerprint
+from fpipe._src.runtime.agree import fingerprint
 
 N_LAYER = 4
 

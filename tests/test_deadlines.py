@@ -1,4 +1,4 @@
-"""Every collective fpipe issues has a deadline (NOTE [failures never hang] in fpipe/_src/dist.py):
+"""Every collective fpipe issues has a deadline (NOTE [failures never hang] in fpipe/_src/runtime/dist.py):
 each torch.distributed collective in fpipe/_src is issued with `async_op=True` and its work
 waited by `PPGroup.wait_all` under the pipeline's timeout (or, for p2p, `batch_isend_irecv`'s
 works, waited the same way). The few that are not are listed here by name with the deadline
@@ -30,7 +30,7 @@ ELSEWHERE = {  # (module, function, collective): the deadline it has instead
 def _scan() -> tuple[set[tuple[str, str, str]], set[tuple[str, str, str]]]:
     """(every collective call, the blocking ones) as (module, function, collective)."""
     found, every = set(), set()
-    for path in SRC.glob("*.py"):
+    for path in SRC.rglob("*.py"):
         tree = ast.parse(path.read_text())
         for fn in ast.walk(tree):
             if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):

@@ -1,5 +1,5 @@
 """Data x pipeline parallelism on one DeviceMesh (NOTE [gradients over replicas] in
-fpipe/_src/replicas.py, sharded parameters in fpipe/_src/sharding.py): 4 gloo ranks under
+fpipe/_src/parallel/replicas.py, sharded parameters in fpipe/_src/parallel/sharding.py): 4 gloo ranks under
 torchrun, dp=2 x pp=2, each passing its dp slice of one global batch. One launch runs every case
 of `tests/dp_worker.py` (its part of the 4-rank launch of tests/four_ranks_worker.py, shared with
 other modules); each compares with `torch.func.grad_and_value` of the unsplit function over the

@@ -1,4 +1,4 @@
-"""The effects analysis (fpipe/_src/effects.py, NOTE [effects]): which operations write what,
+"""The effects analysis (fpipe/_src/tracing/effects.py, NOTE [effects]): which operations write what,
 checked against torch's op list, and each pass that copies, moves or drops operations asking it.
 
 Issue 24's cases 1-4 (a buffer written in place and read by recomputed values; BatchNorm's
@@ -22,19 +22,13 @@ from models import ConvBN, StepCounter
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fpipe
-from fpipe._src import (
-    effects,
-    kv_writes,
-    measure,
-    memory_graph,
-    partition,
-    remat,
-    remat_walk,
-    split,
-    split_iw,
-    trace,
-)
-from fpipe._src.rng import seeded
+import fpipe._src.generate.kv_writes as kv_writes
+import fpipe._src.memory.memory_graph as memory_graph
+import fpipe._src.memory.remat as remat
+import fpipe._src.memory.remat_walk as remat_walk
+from fpipe._src.stages import measure, partition, split, split_iw
+from fpipe._src.tracing import effects, trace
+from fpipe._src.tracing.rng import seeded
 
 DT = torch.float64
 aten = torch.ops.aten
@@ -76,7 +70,7 @@ def test_every_state_argument_in_torchs_op_list_is_classified():
         - effects.HIDDEN_WRITES.keys()
         - effects.READS_STATE.keys()
     )
-    assert unclassified == [], f"classify these in fpipe/_src/effects.py: {unclassified}"
+    assert unclassified == [], f"classify these in fpipe/_src/tracing/effects.py: {unclassified}"
     both = effects.HIDDEN_WRITES.keys() & effects.READS_STATE.keys()
     assert not both
 
@@ -404,7 +398,7 @@ def test_reentrant_checkpoint_regions_are_recomputed():
 def test_regions_lost_in_tracing_would_be_said_truthfully(monkeypatch):
     """The safety net: were a trace to lose every region's tag, the warning says so (and nothing
     about writes, which no longer lose them)."""
-    from fpipe._src import compiler
+    from fpipe._src.pipeline import compiler
 
     monkeypatch.setattr(compiler, "tagged", lambda node: False)
     with pytest.warns(UserWarning, match="fpipe lost track of them while tracing") as got:

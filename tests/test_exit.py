@@ -1,5 +1,5 @@
 """Processes end cleanly with sends still pending after a failure (NOTE [threads at exit] in
-fpipe/_src/exiting.py). Three pairs of ranks, launched at once, each rank leaving a send the
+fpipe/_src/runtime/exiting.py). Three pairs of ranks, launched at once, each rank leaving a send the
 other never receives; every process must end with status 0 and no abort, within the bound."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Failures never hang: a rank that raises, is killed or stops ends every rank, with an error that
-names it (NOTE [failures never hang] in fpipe/_src/dist.py).
+names it (NOTE [failures never hang] in fpipe/_src/runtime/dist.py).
 
 Each case is its own launch of `tests/dist_fail_worker.py`: 4 ranks, 1F1B, 8 microbatches, stage
 s on rank s, the fault in the second step (the first compiles everywhere). The four launches run
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from dist_launch import free_port, kill, read_json, report, start, start_ranks, torchrun_cmd, wait_all
 
-from fpipe._src import dist as fdist
+from fpipe._src.runtime import dist as fdist
 
 WORLD = 4
 BOUND_S = 60.0  # every process must be gone this long after the fault
@@ -137,7 +137,7 @@ def test_raise_every_peer_names_the_failing_rank(runs, rank, where):
     run = runs["raise"]
     expected = f"PeerFailure: fpipe rank {rank}: stopping while {where}: {ROOT_CAUSE}"
     assert run.error(rank) == expected
-    assert expected.replace("PeerFailure", "fpipe._src.dist.PeerFailure") in run.procs[rank].text()
+    assert expected.replace("PeerFailure", "fpipe._src.runtime.dist.PeerFailure") in run.procs[rank].text()
 
 
 # -- (b) rank 2 SIGKILLs itself mid-step -------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Coming over from torch.distributed.pipelining (TDP) unchanged (NOTE [pipe_split] in
-fpipe/_src/cut_at.py; NOTE [cuts by module path] in fpipe/_src/cuts.py): a model's `pipe_split()`
+fpipe/_src/tracing/cut_at.py; NOTE [cuts by module path] in fpipe/_src/tracing/cuts.py): a model's `pipe_split()`
 calls and a `split_spec` dict cut where they say -- stage count and each stage's parameters --
 and the gradients are `torch.func.grad_and_value`'s of the unsplit function (float64). The same
 zoo on 2 gloo ranks: tests/test_trust_dist.py (the shared `trust_launch`)."""
@@ -16,7 +16,7 @@ from torch.distributed.pipelining import SplitPoint, pipe_split
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
 import fpipe
-from fpipe._src.agree import fingerprint
+from fpipe._src.runtime.agree import fingerprint
 
 TOL = 1e-12
 

@@ -36,8 +36,8 @@ from generate_worker import (  # noqa: E402  (after the importorskip)
     reference,
 )
 
-from fpipe._src import generate as generate_module  # noqa: E402
-from fpipe._src.decode import DATA  # noqa: E402
+import fpipe._src.generate.generate as generate_module  # noqa: E402
+from fpipe._src.generate.decode import DATA  # noqa: E402
 
 STAGES = [1, 2, 4]
 _MODELS: dict[str, torch.nn.Module] = {}

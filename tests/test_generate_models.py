@@ -12,7 +12,7 @@ import fpipe
 
 transformers = pytest.importorskip("transformers")
 
-from fpipe._src import generate as generate_module  # noqa: E402
+import fpipe._src.generate.generate as generate_module  # noqa: E402
 
 VOCAB, NEW = 64, 5
 COMMON = dict(vocab_size=VOCAB, pad_token_id=0, bos_token_id=None, eos_token_id=None)

@@ -11,7 +11,7 @@ import fpipe
 
 transformers = pytest.importorskip("transformers")
 
-from fpipe._src.generate_settings import APPLIED, INERT, REFUSED, SAMPLING_ONLY  # noqa: E402
+from fpipe._src.generate.generate_settings import APPLIED, INERT, REFUSED, SAMPLING_ONLY  # noqa: E402
 
 VOCAB, NEW = 64, 4
 

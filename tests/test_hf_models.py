@@ -368,7 +368,7 @@ def test_dropout_is_reproducible():
     """fpipe seeds each random operation from (torch.initial_seed(), step, microbatch, operation):
     the same seed gives the same losses and gradients in a fresh pipeline (run to run), whatever
     the number of stages; the steps of one run and another seed draw other masks. (They are not
-    the masks the unsplit model draws from the running generator: see fpipe/_src/rng.py.) One
+    the masks the unsplit model draws from the running generator: see fpipe/_src/tracing/rng.py.) One
     block: each of the four pipelines traces the model, and one block already holds every kind of
     dropout (embedding, attention, residual), cut over 2 and 3 stages."""
     torch.manual_seed(0)

@@ -90,7 +90,7 @@ def test_the_graph_sees_lazy_and_type_checking_imports(tmp_path: Path) -> None:
     )
     assert import_graph(pkg) == {"p.a": {"p.sub.b"}, "p.sub.b": {"p.a"}}
     assert find_cycle(import_graph(pkg)) == ["p.a", "p.sub.b", "p.a"]
-    assert "fpipe._src.schedule_data" in import_graph()["fpipe._src.simulate"]
+    assert "fpipe._src.schedules.schedule_data" in import_graph()["fpipe._src.schedules.simulate"]
 
 
 def test_no_import_cycle() -> None:

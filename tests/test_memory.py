@@ -24,8 +24,8 @@ from dist_launch import kill, report, start_ranks, wait_all
 from models import GPT, MLP, lm_loss
 
 import fpipe
-from fpipe._src import run as run_
-from fpipe._src.dist import SendReaper
+from fpipe._src.runtime import run as run_
+from fpipe._src.runtime.dist import SendReaper
 
 WORKER = Path(__file__).resolve().parent / "memory_worker.py"
 CASES = ["mlp-gpipe-4-8", "mlp-1f1b-4-8", "mlp-zb-h1-4-8", "gpt-gpipe-4-8", "gpt-1f1b-4-8"]

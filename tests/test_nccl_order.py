@@ -23,10 +23,10 @@ import torch
 from dist_launch import read_json, report, run_torchrun, torchrun_cmd
 
 import fpipe
-from fpipe._src.comm import CommGroup, CommPlan, Transfer, chain_plan, stream_deadlock
-from fpipe._src.schedule import execution_order as order_of
-from fpipe._src.schedule import parse_action
-from fpipe._src.simulate import dependencies, validate_comm
+from fpipe._src.schedules.comm import CommGroup, CommPlan, Transfer, chain_plan, stream_deadlock
+from fpipe._src.schedules.schedule import execution_order as order_of
+from fpipe._src.schedules.schedule import parse_action
+from fpipe._src.schedules.simulate import dependencies, validate_comm
 from fpipe.schedules import Action, Schedule, build, parse, validate
 
 TOL = 1e-10

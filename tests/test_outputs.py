@@ -1,5 +1,5 @@
 """Outputs keep their dtype and say what they cannot honour, in one process (NOTE [outputs keep
-their dtype] in fpipe/_src/out_reduce.py, NOTE [interacting examples] in fpipe/_src/reduction.py).
+their dtype] in fpipe/_src/pipeline/out_reduce.py, NOTE [interacting examples] in fpipe/_src/pipeline/reduction.py).
 The same cases across ranks: tests/test_outputs_dist.py. References: the unsplit function under
 `torch.func` in float64."""
 

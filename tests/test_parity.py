@@ -192,7 +192,7 @@ def test_programs_accumulate_the_gradients(zoo, monkeypatch, kind, schedule):
     Linear weight's gradient is added inside its matrix product (`addmm_`); the tied matrix's
     gradient has one part per stage (NOTE [tied gradients] in split_tied.py): the head's product is
     added inside the product too, the lookup's after it, into the same running sum."""
-    from fpipe._src import run
+    from fpipe._src.runtime import run
 
     rewritten, put, programs = [], [], {}
     accumulating, results_put = run.accumulating, run.Results.put
@@ -226,7 +226,7 @@ def test_programs_accumulate_the_gradients(zoo, monkeypatch, kind, schedule):
 def test_compiled_programs(zoo, monkeypatch):
     """compile=True: every program that runs is compiled, the variants that add gradients into
     their running sums included (zb-h1: I and W programs), and the result equals the reference."""
-    from fpipe._src import run
+    from fpipe._src.runtime import run
 
     compiled_variants, compile_ = [], torch.compile
 
@@ -269,7 +269,7 @@ def test_gpt_skip_crosses_boundaries(zoo, stages):
 def test_tied_weight_used_by_first_and_last_stage(zoo, stages):
     case = zoo.case("tied-marked", stages, torch.float64)
     staged = compiled(_run(zoo, "tied-marked", stages, 4, "gpipe", torch.float64)).staged
-    leaves = fpipe._src.tree.flatten(case.params)[0]
+    leaves = fpipe._src.tracing.tree.flatten(case.params)[0]
     name = staged.param_inputs[next(i for i, t in enumerate(leaves) if t is case.params["tok.weight"])]
     assert {("F", 0), ("F", stages - 1)} <= set(staged.consumers[name])
     assert [k for k, v in case.params.items() if v.shape == (11, 8)] == ["tok.weight"]
@@ -284,7 +284,9 @@ def test_tied_gradient_contributions_stay_on_their_stages(zoo, stages):
     staged = compiled(_run(zoo, "tied-marked", stages, 4, "1f1b", torch.float64)).staged
     case = zoo.case("tied-marked", stages, torch.float64)
     j = next(
-        i for i, t in enumerate(fpipe._src.tree.flatten(case.params)[0]) if t is case.params["tok.weight"]
+        i
+        for i, t in enumerate(fpipe._src.tracing.tree.flatten(case.params)[0])
+        if t is case.params["tok.weight"]
     )
     i = staged.n_outs + j
     parts = staged.parts_of(i)

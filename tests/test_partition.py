@@ -78,7 +78,7 @@ def test_forward_and_value_and_grad_share_one_measurement(monkeypatch):
     measured once and both cut from those times (timings vary between measurements)."""
     from models import GPT
 
-    from fpipe._src import compiler as api
+    from fpipe._src.pipeline import compiler as api
 
     calls = []
     measure = api.measure_costs
@@ -133,7 +133,7 @@ def test_operations_timed_at_zero_still_count_as_work(monkeypatch, inputs):
     off). They still exist: a measured cut into more stages than the operations timed above 0
     must work -- it once raised "stages=2 but the function has only 1 operations", on one rank
     of a job and not the others (found by fpipe.plan on 4 ranks)."""
-    from fpipe._src import compiler as api
+    from fpipe._src.pipeline import compiler as api
 
     measure = api.measure_costs
 

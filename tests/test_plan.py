@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 
 import fpipe
-import fpipe._src.plan as plan_mod
-from fpipe._src.plan import _cuts
-from fpipe._src.plan_tp import entries, group
+import fpipe._src.plan.plan as plan_mod
+from fpipe._src.plan.plan import _cuts
+from fpipe._src.plan.plan_tp import entries, group
 
 D, V, L, B = 64, 1024, 4, 64
 

@@ -1,4 +1,4 @@
-"""Mixed precision (NOTE [precision policy] in fpipe/_src/precision.py): bf16 compute with fp32
+"""Mixed precision (NOTE [precision policy] in fpipe/_src/runtime/precision.py): bf16 compute with fp32
 gradient accumulation, the parameter cast once per step, the dtypes handed back, autocast inside.
 The reference is the unsplit function under torch.func in float64 at the same (bf16) point."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fpipe
-from fpipe._src import precision as precision_
+from fpipe._src.runtime import precision as precision_
 
 ROOT = Path(__file__).resolve().parent.parent
 D, BATCH = 64, 256

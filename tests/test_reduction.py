@@ -1,5 +1,5 @@
 """An honest reduction: `value_and_grad(piped)` equals `torch.func.grad_and_value(f)` for the
-ways a loss reduces its batch (NOTE [an honest reduction] in fpipe/_src/reduction.py), and the
+ways a loss reduces its batch (NOTE [an honest reduction] in fpipe/_src/pipeline/reduction.py), and the
 1/M factor is applied in the loss's precision."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """`pipeline(..., memory_limit=bytes)` and `torch.utils.checkpoint` regions: values recomputed in
-the backward programs (fpipe/_src/remat.py, remat_choose.py).
+the backward programs (fpipe/_src/memory/remat.py, remat_choose.py).
 
 Every case checks the gradients against `torch.func.grad` of the unsplit function in float64,
 the prediction against the limit, and the bytes the runner really holds after every action
@@ -20,8 +20,8 @@ from memory_worker import CheckpointedGPT
 from models import GPT, MLP, lm_loss
 
 import fpipe
-from fpipe._src import run as run_
-from fpipe._src.rng import seeded
+from fpipe._src.runtime import run as run_
+from fpipe._src.tracing.rng import seeded
 
 DT = torch.float64
 
@@ -130,7 +130,7 @@ def test_a_tight_limit_is_met_recomputing_segment_by_segment(model, schedule, st
     for bit the unconstrained pipeline's, and the backward recomputes segment by segment: from
     the anchors (the residual stream, a layer's output) it reads, in several runs, each just
     before the backward that needs it, so what it recomputes is never all alive at once."""
-    from fpipe._src.remat_segments import anchors
+    from fpipe._src.memory.remat_segments import anchors
 
     loss, params, args = (gpt if model == "gpt" else mlp)(stages)
     sched = _schedule(schedule, stages, 8)
@@ -155,7 +155,7 @@ def test_a_tight_limit_is_met_recomputing_segment_by_segment(model, schedule, st
 
 def _recomputed_alive(gm: Any, copies: list[int]) -> tuple[int, int]:
     """The most bytes of recomputed storages alive at once in `gm`, and all of them."""
-    from fpipe._src import memory_graph
+    import fpipe._src.memory.memory_graph as memory_graph
 
     nodes = list(gm.graph.nodes)
     ops = [n for n in nodes if n.op == "call_function"]
@@ -190,8 +190,8 @@ def test_values_of_stages_holding_more_microbatches_are_dropped_first():
     the peak / cost. Of two equal stages (an MLP's stages 1 and 2: two equal layers each), the
     one holding more microbatches drops first, and a stage holding none at the peak drops
     nothing."""
-    from fpipe._src import remat_choose
-    from fpipe._src.memory import MemoryReport, StageMemory
+    import fpipe._src.memory.remat_choose as remat_choose
+    from fpipe._src.memory.memory import MemoryReport, StageMemory
 
     loss, params, args = mlp(4)
     piped = fpipe.pipeline(loss, microbatches=4, schedule="1f1b")
@@ -213,7 +213,7 @@ def test_anchors_are_the_values_a_stage_carries_alone():
     """A layer stack carries one value past every operation: each is an anchor, every layer's
     output among them; a GPT's first stage's are the residual stream (between blocks and
     between a block's halves)."""
-    from fpipe._src.remat_segments import anchors
+    from fpipe._src.memory.remat_segments import anchors
 
     loss, params, args = mlp(2)
     piped = fpipe.pipeline(loss, microbatches=4, schedule="1f1b")

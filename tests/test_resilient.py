@@ -4,7 +4,7 @@ Two torchrun launches of the example side by side, 2 ranks (a 2-stage pipeline),
 under `--max-restarts 1`: one uninterrupted, one whose rank R SIGKILLs itself in the middle of
 step K on the first attempt (R and K drawn by a seeded generator here). torchrun ends the other
 rank and starts the job again; the new attempt joins a fresh process group (NOTE [restarted
-attempts] in fpipe/_src/dist.py) and resumes from the manager's latest complete step. Every loss
+attempts] in fpipe/_src/runtime/dist.py) and resumes from the manager's latest complete step. Every loss
 either attempt logged, and every rank's final parameters, must equal the uninterrupted run's bit
 for bit (dropout's masks, the batch stream and AdamW's state all resumed).
 """

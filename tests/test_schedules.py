@@ -258,7 +258,7 @@ def test_bad_placement():
 
 
 def test_execution_order_keeps_its_contract():
-    from fpipe._src.schedule import execution_order
+    from fpipe._src.schedules.schedule import execution_order
 
     s = build("zb-h1", pp=4, microbatches=8)
     order = execution_order(s, S.dependencies(s))
@@ -381,7 +381,7 @@ def test_render_ascii():
 def test_render_method_works_when_only_the_schedule_data_module_is_imported():
     """`Schedule.render` calls the renderer render.py installs (NOTE [schedule layering] in
     schedule_data.py); importing any fpipe module imports fpipe.schedules and so installs it."""
-    code = "from fpipe._src.schedule_data import parse\nprint(parse('rank 0: F0.0 B0.0').render())"
+    code = "from fpipe._src.schedules.schedule_data import parse\nprint(parse('rank 0: F0.0 B0.0').render())"
     env = {**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).resolve().parents[1])}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.splitlines()[1] == "rank 0 |F0.0|B0.0     |"

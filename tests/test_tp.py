@@ -1,4 +1,4 @@
-"""Tensor parallelism inside stages (NOTE [tensor-parallel tracing] in fpipe/_src/tp.py): a GPT
+"""Tensor parallelism inside stages (NOTE [tensor-parallel tracing] in fpipe/_src/parallel/tp.py): a GPT
 parallelized with `parallelize_module` on mesh["tp"], pipelined on 4 gloo ranks (pp=2 x tp=2) and
 on 8 (dp=2 x pp=2 x tp=2). One launch of `tests/tp_worker.py` per world size runs every case;
 each compares with `torch.func.grad_and_value` of the unsplit, unparallelized model over the

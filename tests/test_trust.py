@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 import fpipe
-from fpipe._src import dist as fdist
-from fpipe._src.agree import fingerprint, part_name
+from fpipe._src.runtime import dist as fdist
+from fpipe._src.runtime.agree import fingerprint, part_name
 
 ROOT = Path(__file__).resolve().parent.parent
 CUDA = torch.device("cuda")  # only the device type is read: the polling (NCCL) path, on fake works
@@ -128,7 +128,7 @@ def test_namespaces_differ_per_group_and_per_pipeline(monkeypatch):
 
 _FINGERPRINT = """
 import json, sys, torch, fpipe
-from fpipe._src.agree import fingerprint
+from fpipe._src.runtime.agree import fingerprint
 prints = []
 for scale in map(float, sys.argv[1:]):
     def f(w, x):

@@ -1,6 +1,6 @@
 """Claims no other test guards: random streams, memory freed, reduced-precision parity.
 
-- **Random numbers** (`NOTE [random-number policy]` in fpipe/_src/rng.py): every dropout mask
+- **Random numbers** (`NOTE [random-number policy]` in fpipe/_src/tracing/rng.py): every dropout mask
   is drawn from (base seed, step, microbatch, operation), so masks differ across microbatches,
   operations and steps, and are equal across stage counts, schedules and runs with one seed.
   The masks are read back from the aux output; the gradients are checked against the unsplit

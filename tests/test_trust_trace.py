@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from models import ConvBN, assert_trees_close
 
 import fpipe
-from fpipe._src.trace_key import Static as _Static
-from fpipe._src.trace_key import tensor_key as _tensor_key
+from fpipe._src.tracing.trace_key import Static as _Static
+from fpipe._src.tracing.trace_key import tensor_key as _tensor_key
 
 DT = torch.float64
 SCHEDULES = ["gpipe", "1f1b", "zb-h1"]

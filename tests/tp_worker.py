@@ -276,7 +276,7 @@ def auto_partition(mesh: Any) -> str:
 
 def pipe_split_refused(mesh: Any) -> str:
     """torch.distributed.pipelining's `pipe_split()` in a tensor-parallel function: refused (NOTE
-    [pipe_split] in fpipe/_src/cut_at.py), asking for stage_boundary or cuts."""
+    [pipe_split] in fpipe/_src/tracing/cut_at.py), asking for stage_boundary or cuts."""
     fn, params = fpipe.functionalize(built("tp", mesh))
 
     def loss(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -359,7 +359,7 @@ def tp_rank_fails_mid_step(mesh: Any) -> dict[str, Any]:
     rank 1, within seconds (the pipeline's timeout is 120 s: a rank left waiting would take that)."""
     import time
 
-    from fpipe._src import tp_collectives
+    from fpipe._src.parallel import tp_collectives
 
     fn, params = fpipe.functionalize(built("tp", mesh))
     x, y = data()

@@ -3,17 +3,27 @@ here only those that more than one module uses)."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
-from dist_launch import read_json, report, run_torchrun, torchrun_cmd
+
+# The launch workers, shared test models and the launcher (tests/support/) import one another as
+# top-level modules, as they do when torchrun runs a worker from there.
+SUPPORT = Path(__file__).resolve().parent / "support"
+if str(SUPPORT) not in sys.path:
+    sys.path.insert(0, str(SUPPORT))
+
+from dist_launch import read_json, report, run_torchrun, torchrun_cmd  # noqa: E402
 
 TRUST_RANKS = 2
 
 
 @pytest.fixture(scope="session")
 def trust_launch(tmp_path_factory):
-    """One torchrun launch of `tests/trust_dist_worker.py` on 2 ranks for tests/test_trust_dist.py,
-    tests/test_timeline.py and tests/test_from_tdp.py (a process group costs seconds to start):
+    """One torchrun launch of `tests/support/trust_dist_worker.py` on 2 ranks for tests/runtime/test_trust_dist.py,
+    tests/runtime/test_timeline.py and tests/tracing/test_from_tdp.py (a process group costs seconds to start):
     its output folder and processes (ended: a hard deadline, then SIGKILL)."""
     out = tmp_path_factory.mktemp("trust")
     cmd = torchrun_cmd("trust_dist_worker.py", TRUST_RANKS, "--out", str(out))
@@ -32,9 +42,9 @@ def pytest_configure(config):
 @pytest.fixture(scope="session")
 def four_ranks(tmp_path_factory):
     """`four_ranks(part)`: each rank's record of one part ("trust", "hf", "dp" or "generate") of
-    the one torchrun launch of `tests/four_ranks_worker.py` (4 ranks, started on first use) that
-    tests/test_trust_dist.py, tests/test_hf_dist.py, tests/test_dp.py and
-    tests/test_generate_cache.py share."""
+    the one torchrun launch of `tests/support/four_ranks_worker.py` (4 ranks, started on first use) that
+    tests/runtime/test_trust_dist.py, tests/pipeline/test_hf_dist.py, tests/parallel/test_dp.py and
+    tests/generate/test_generate_cache.py share."""
     out = tmp_path_factory.mktemp("four_ranks")
     parts = {part: out / part for part in ("trust", "hf", "dp", "generate")}
     launched: list = []

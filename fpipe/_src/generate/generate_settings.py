@@ -9,7 +9,7 @@ cannot change the tokens it returns (`INERT`: what else `generate` returns, the 
 compilation, speculative-decoding knobs that act only with an assistant model, settings of
 modes refused elsewhere) pass; any other attribute set to a value other than transformers'
 default (`None`, or `GenerationConfig._get_default_generation_params()`) is refused by name,
-whether listed in `REFUSED` or new in a later transformers (tests/test_generate_settings.py
+whether listed in `REFUSED` or new in a later transformers (tests/generate/test_generate_settings.py
 fails until it is classified). Attributes that act only when sampling (`SAMPLING_ONLY`) are
 refused only when the call samples. A call's `do_sample`, `temperature`, `top_k`, `top_p` left at
 None take the generation_config's value, else transformers' default (so `top_k` is 50 when

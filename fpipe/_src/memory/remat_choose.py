@@ -50,7 +50,7 @@ __all__ = ["HEADROOM_PERCENT", "choose", "least", "least_limit", "target_of"]
 Predict = Callable[[Staged], MemoryReport]
 # The share of the limit kept free for what the prediction does not see (allocator slack, kernel
 # workspaces -- inside a matrix product or an attention kernel, 0.2-0.7 MiB per program in
-# tests/test_memory.py's GPT): measured on CPU, the prediction ran up to 13.4 % under the
+# tests/memory/test_memory.py's GPT): measured on CPU, the prediction ran up to 13.4 % under the
 # resident-set growth of a 2-rank ZBV step of 13 MB under a limit (a loaded CI host; 10 % was
 # exceeded), and the prediction is tested to be within 15 %. (What the send thread holds is not
 # left to the headroom: under a limit each action's sends complete by the end of the next

@@ -17,7 +17,7 @@ the write, the arguments `HIDDEN_WRITES` names: BatchNorm in training mode updat
 MIOpen twins, `batch_norm`, `_batch_norm_impl_index`, `instance_norm` with input statistics)
 says they are only read, and the statistics kernels `batch_norm_update_stats` and
 `batch_norm_gather_stats*` update them always. The table comes from torch's op list, not from
-bug reports: tests/test_effects.py scans every aten schema for an argument that looks like
+bug reports: tests/tracing/test_effects.py scans every aten schema for an argument that looks like
 state (`running_*`, optimizer state, RNG state, ...) and is not marked written, and fails until
 each one is classified here, as a hidden write or in `READS_STATE` (read only: backward
 kernels, `_functional` variants that return the new state, evaluation-mode kernels).

@@ -14,7 +14,7 @@ running generator, so its dropout masks differ from fpipe's: compare with dropou
 The (base seed, step, microbatch) the runner sets lives in a `contextvars.ContextVar`, not in
 module state: a thread (or an asyncio task) that runs another pipeline's step at the same time
 sets its own, and a thread that never set one draws from seed (0, 0, 0) rather than from
-another step's. tests/test_trust_claims.py checks the claims about masks across microbatches,
+another step's. tests/pipeline/test_trust_claims.py checks the claims about masks across microbatches,
 operations, steps, stage counts, schedules and seeds.
 """
 

@@ -53,7 +53,7 @@ class CheckpointError(RuntimeError):
 
 
 def phase(name: str) -> None:
-    """Test-only hook (tests/test_checkpoint_crash.py): FPIPE_CHECKPOINT_KILL_AT=name kills
+    """Test-only hook (tests/training/test_checkpoint_crash.py): FPIPE_CHECKPOINT_KILL_AT=name kills
     this process with SIGKILL when a save reaches the phase `name` ("written", "manifest",
     "publish", "exchanged", "between_renames"); `name:stop` stops it (SIGSTOP) there instead."""
     at, _, action = os.environ.get(KILL_AT, "").partition(":")

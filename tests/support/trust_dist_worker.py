@@ -28,6 +28,7 @@ import argparse
 import functools
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -188,7 +189,8 @@ TIMELINE_SCHEDULES = ("interleaved-1f1b", "zbv")
 def _timeline(out: str) -> dict[str, Any]:
     """Writes `out/run.{schedule}.events.rank{R}.json` per schedule and, through FPIPE_TRACE (set
     for these steps only), `out/trace.rank{R}.json` (test_timeline asserts on them)."""
-    from test_timeline import f, inputs
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runtime"))
+    from test_timeline import f, inputs  # tests/runtime/test_timeline.py's 4-stage step
 
     os.makedirs(out, exist_ok=True)
     os.environ["FPIPE_TRACE"] = os.path.join(out, "trace")

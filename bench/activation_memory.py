@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import CONFIGS, GPT, cuts_for, fpipe_revision, lm_loss, make_batch  # noqa: E402
 
 import fpipe  # noqa: E402
-from fpipe._src import run as _run  # noqa: E402  (instrumented below)
+from fpipe._src.runtime import run as _run  # noqa: E402  (instrumented below)
 
 MIB = 2**20
 

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 import fpipe
-from fpipe._src import checkpoint_format
+from fpipe._src.training import checkpoint_format
 
 
 def _timed(fn: Callable[[], object], repeats: int) -> list[float]:

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 import fpipe
-from fpipe._src.checkpoint_format import sha256_file
+from fpipe._src.training.checkpoint_format import sha256_file
 
 
 def mlp(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, layers: int) -> torch.Tensor:

@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import CONFIGS, GPT, GPTConfig, cuts_for, fpipe_revision, lm_loss, make_batch, stage_modules  # noqa: E402
 
 import fpipe  # noqa: E402
-from fpipe._src import run as _run  # noqa: E402  (instrumented below)
+from fpipe._src.runtime import run as _run  # noqa: E402  (instrumented below)
 
 # fpipe schedule -> (torch schedule class, stages per rank, placement)
 PAIRS: dict[str, tuple[str, int, str]] = {

@@ -13,7 +13,7 @@ Every rank holds the whole parameter dict (the model is small); the grads fpipe 
 those of this rank's stages.
 
 Figures (rank 0 prints them):
-1. dp=2 x pp=2, per schedule in `--schedules`: the step with `fpipe._src.replicas.OVERLAP` True
+1. dp=2 x pp=2, per schedule in `--schedules`: the step with `fpipe._src.parallel.replicas.OVERLAP` True
    (each stage's buckets all-reduced as soon as its last backward finishes) and False (every
    bucket launched after the last action, "at the end"). Median step time and their ratio.
 2. dp=2 x pp=2 against pp=4 (one pipeline over the 4 ranks), the first schedule, same global batch.
@@ -49,7 +49,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import fpipe  # noqa: E402
-from fpipe._src import replicas  # noqa: E402
+from fpipe._src.parallel import replicas  # noqa: E402
 
 MiB = 2**20
 

@@ -13,7 +13,7 @@ Modes:
 1. `model.generate`: the unsplit model on rank 0 alone with transformers' own (dynamic) cache
    (rank 1 waits).
 2. `recompute, unsplit`: rank 0 alone, every step the whole prefix again (`use_cache=False`).
-3. `recompute, fpipe 2 ranks`: `tests/test_generate.py`'s fixed loop: `fpipe.pipeline` over 2
+3. `recompute, fpipe 2 ranks`: `tests/generate/test_generate.py`'s fixed loop: `fpipe.pipeline` over 2
    stages, 2 microbatches, the prompt right-padded to its final length (one trace), each step a
    pipelined forward of the whole buffer.
 4. `fpipe.generate 2 ranks, m microbatches`: the cache per stage, m = 1, 2, 4.
@@ -80,7 +80,7 @@ _PIPED: dict[int, fpipe.Pipelined] = {}
 
 
 def _fixed_timed(fn, params, buf, mask, p, new, clock):  # type: ignore[no-untyped-def]
-    """tests/test_generate.py's fixed loop, with a timestamp per step."""
+    """tests/generate/test_generate.py's fixed loop, with a timestamp per step."""
 
     def logits_at(params, ids, mask, pos):  # type: ignore[no-untyped-def]
         logits = fn(params, input_ids=ids, attention_mask=mask, use_cache=False).logits

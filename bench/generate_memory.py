@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 
 import fpipe
-from fpipe._src import generate as generate_module
-from fpipe._src.stage_weights import resident_bytes
+import fpipe._src.generate.generate as generate_module
+from fpipe._src.generate.stage_weights import resident_bytes
 
 
 def config(args: argparse.Namespace) -> Any:

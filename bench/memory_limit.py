@@ -39,12 +39,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import CONFIGS, GPT, cuts_for, fpipe_revision, lm_loss, make_batch  # noqa: E402
 
 import fpipe  # noqa: E402
-from fpipe._src import remat_choose  # noqa: E402
-from fpipe._src.memory import predict  # noqa: E402
-from fpipe._src.partition import node_cost  # noqa: E402
-from fpipe._src.remat_choose import least  # noqa: E402
-from fpipe._src.run import LocalRunner  # noqa: E402
-from fpipe._src.run_dist import DistRunner  # noqa: E402
+import fpipe._src.memory.remat_choose as remat_choose  # noqa: E402
+from fpipe._src.memory.memory import predict  # noqa: E402
+from fpipe._src.memory.remat_choose import least  # noqa: E402
+from fpipe._src.runtime.run import LocalRunner  # noqa: E402
+from fpipe._src.runtime.run_dist import DistRunner  # noqa: E402
+from fpipe._src.stages.partition import node_cost  # noqa: E402
 
 MIB = 2**20
 START = time.perf_counter()

@@ -1,5 +1,5 @@
 """Tied parameters (issue 11): each stage's gradient contribution summed on its stage and once per
-step over ranks (NOTE [tied gradients] in fpipe/_src/split_tied.py), against the joint graph's own
+step over ranks (NOTE [tied gradients] in fpipe/_src/stages/split_tied.py), against the joint graph's own
 addition on the lowest stage, which needs the head's contribution sent once per microbatch.
 
     torchrun --standalone --nproc-per-node 2 bench/tied_grads.py
@@ -9,7 +9,7 @@ addition on the lowest stage, which needs the head's contribution sent once per 
 Model: a language model whose head is its embedding matrix transposed (vocab x dim, fp32): the
 lookup on stage 0, `--layers` residual tanh layers split between the 2 stages, the head on
 stage 1; cross-entropy loss; 1f1b over 2 ranks (gloo, one torch thread each). Modes:
-"untied" (fpipe's default) and "joint" (`fpipe._src.split.UNTIE = False` while the pipeline is
+"untied" (fpipe's default) and "joint" (`fpipe._src.stages.split.UNTIE = False` while the pipeline is
 compiled). Printed: the bytes each step sends between the pipeline ranks (from the runner's
 communication plan: every value of every transfer, per step; then the tied gradient is
 all-reduced (untied) or broadcast from stage 0's rank (joint) once), the median step time of each mode
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import fpipe  # noqa: E402
-from fpipe._src import split  # noqa: E402
+from fpipe._src.stages import split  # noqa: E402
 
 MiB = 2**20
 

@@ -97,7 +97,7 @@ def timed(fn: Callable[[], object], alone: bool = False) -> float:
 
 def collectives_of(step: Callable[[], object]) -> tuple[int, float]:
     """One step with fpipe's tp collectives counted and their waits timed (this rank)."""
-    from fpipe._src import tp_collectives
+    from fpipe._src.parallel import tp_collectives
 
     wait, spent = tp_collectives._wait, [0, 0.0]
 

@@ -13,7 +13,7 @@ same on every rank, so every rank takes the same step.
 
 For a check, rank 0 then takes the same step in one process, one example at a time with the
 unsplit model (`torch.func.grad` per example, float64), and prints the largest difference
-between the two updated parameter sets (tests/test_examples.py asserts it is below 1e-10).
+between the two updated parameter sets (tests/project/test_examples.py asserts it is below 1e-10).
 """
 
 from __future__ import annotations

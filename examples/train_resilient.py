@@ -9,7 +9,7 @@ kept and nothing else in ROOT is touched. At start, every attempt (the first, or
 restarted after a rank died) restores the latest complete step, if there is one, and goes on from
 it. fpipe seeds dropout by the step (NOTE [random-number policy]), and the checkpoint holds the
 pipeline's step count, so the resumed run draws the masks the uninterrupted one drew: its losses
-and final parameters are bit-identical (tests/test_resilient.py kills a rank at a random step).
+and final parameters are bit-identical (tests/training/test_resilient.py kills a rank at a random step).
 
 `--kill-at STEP --kill-rank R` is for trying it: on the first attempt, rank R SIGKILLs itself in
 the middle of step STEP (after its part of the step, before the optimizer step).

@@ -9,7 +9,7 @@ The script measures the fpipe of its own checkout (it puts that checkout first o
 `--write` replaces what lies between the markers `<!-- models_table:begin ... -->` and
 `<!-- models_table:end -->` in docs/MODELS.md, and records in the begin marker a hash of the
 inputs the table depends on in this repository: every `fpipe/**/*.py` and this script.
-`--check` (and tests/test_docs_tables.py) compares that hash with the current files: a change to
+`--check` (and tests/project/test_docs_tables.py) compares that hash with the current files: a change to
 any of them makes the committed table stale until it is regenerated. A run takes about a minute
 of CPU time, too slow to repeat in every test run; the hash check is instant.
 
@@ -61,7 +61,7 @@ BEGIN, END = "<!-- models_table:begin", "<!-- models_table:end -->"
 WRITE = "python scripts/models_table.py --write"
 
 
-# -- the models (the configs of tests/test_hf_models.py) --------------------------------------------
+# -- the models (the configs of tests/pipeline/test_hf_models.py) --------------------------------------------
 def _lm_batch() -> dict[str, Any]:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(1, VOCAB, (BATCH, SEQ), generator=g)

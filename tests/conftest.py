@@ -12,15 +12,22 @@ from typing import Any
 
 import pytest
 import torch
-from dist_launch import ROOT, read_json, report, run_torchrun, torchrun_cmd
+
+# The launch workers, shared test models and the launcher (tests/support/) import one another as
+# top-level modules, as they do when torchrun runs a worker from there.
+SUPPORT = Path(__file__).resolve().parent / "support"
+if str(SUPPORT) not in sys.path:
+    sys.path.insert(0, str(SUPPORT))
+
+from dist_launch import ROOT, read_json, report, run_torchrun, torchrun_cmd  # noqa: E402
 
 TRUST_RANKS = 2
 
 
 @pytest.fixture(scope="session")
 def trust_launch(tmp_path_factory):
-    """One torchrun launch of `tests/trust_dist_worker.py` on 2 ranks for tests/test_trust_dist.py,
-    tests/test_timeline.py, tests/test_from_tdp.py and tests/test_transforms_dist.py (a process group costs seconds to start):
+    """One torchrun launch of `tests/support/trust_dist_worker.py` on 2 ranks for tests/runtime/test_trust_dist.py,
+    tests/runtime/test_timeline.py, tests/tracing/test_from_tdp.py and tests/pipeline/test_transforms_dist.py (a process group costs seconds to start):
     its output folder and processes (ended: a hard deadline, then SIGKILL)."""
     out = tmp_path_factory.mktemp("trust")
     cmd = torchrun_cmd("trust_dist_worker.py", TRUST_RANKS, "--out", str(out))
@@ -28,7 +35,7 @@ def trust_launch(tmp_path_factory):
 
 
 # -- the `multirank` marker ---------------------------------------------------------------------------
-# Every test that starts rank processes -- a torchrun launch or bare ranks (tests/dist_launch.py) --
+# Every test that starts rank processes -- a torchrun launch or bare ranks (tests/support/dist_launch.py) --
 # is marked `multirank` here, at collection, so `pytest -m "not multirank"` is the single-process
 # inner loop. Found from the code, not from a list: a test launches if its function, a fixture it
 # uses, or a function or class of the tests those reach (transitively, by name) calls one of
@@ -101,9 +108,9 @@ def pytest_configure(config):
 @pytest.fixture(scope="session")
 def four_ranks(tmp_path_factory):
     """`four_ranks(part)`: each rank's record of one part ("trust", "hf", "dp" or "generate") of
-    the one torchrun launch of `tests/four_ranks_worker.py` (4 ranks, started on first use) that
-    tests/test_trust_dist.py, tests/test_hf_dist.py, tests/test_dp.py and
-    tests/test_generate_cache.py and tests/test_generator.py share."""
+    the one torchrun launch of `tests/support/four_ranks_worker.py` (4 ranks, started on first use) that
+    tests/runtime/test_trust_dist.py, tests/pipeline/test_hf_dist.py, tests/parallel/test_dp.py and
+    tests/generate/test_generate_cache.py and tests/generate/test_generator.py share."""
     out = tmp_path_factory.mktemp("four_ranks")
     parts = {part: out / part for part in ("trust", "hf", "dp", "generate")}
     launched: list = []
@@ -140,7 +147,7 @@ TRAIN_GPT_LAUNCHES = {
 def train_gpt_launches(tmp_path_factory):
     """The torchrun launches of `examples/train_gpt.py` (`TRAIN_GPT_LAUNCHES`, started at once on
     the same global batches, then "resumed": 2 ranks, `--resume`, steps 4-6) that
-    tests/test_example_dp.py compares; tests/test_examples.py reads pp2's log as its torchrun run
+    tests/project/test_example_dp.py compares; tests/project/test_examples.py reads pp2's log as its torchrun run
     of the example (4 interpreters importing torch cost more than the run). Returns the output
     folder (each launch's `NAME.json` loss log) and each launch's torchrun, ended."""
     out = tmp_path_factory.mktemp("train_gpt")

@@ -2,7 +2,7 @@
 in float64, microbatch by microbatch as the contract defines it (docs/guide/contract.md, "The contract": the
 mean of per-microbatch means, buffers updated once per microbatch in order), or, for programs
 with dropout, fpipe itself on one stage with no limit (fpipe's masks are its own: NOTE
-[random-number policy] in fpipe/_src/rng.py).
+[random-number policy] in fpipe/_src/tracing/rng.py).
 
 Each example runs two steps; between them both sides take the same SGD-with-momentum step, and
 with `save_load` fpipe's parameters and optimizer go through `fpipe.save` / `fpipe.load` first.

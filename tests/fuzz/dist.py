@@ -1,6 +1,6 @@
 """Multi-rank examples: one torchrun launch runs a whole batch of them (`launch`), each rank
 running `steps` of every example on a fresh pipeline over a gloo mesh ("dp", "pp"), or over the
-whole world without a mesh when dp = 1 (the plain-torchrun path). `tests/fuzz_worker.py` is the
+whole world without a mesh when dp = 1 (the plain-torchrun path). `tests/support/fuzz_worker.py` is the
 script torchrun starts; it calls `worker_main`.
 """
 
@@ -18,9 +18,9 @@ from typing import Any
 from .check import Outcome, error_outcome, problems_outcome, steps, with_warnings
 from .grammar import Example, parse
 
-TESTS = Path(__file__).resolve().parents[1]
-if str(TESTS) not in sys.path:  # `python -m tests.fuzz` from the repository root
-    sys.path.insert(0, str(TESTS))
+SUPPORT = Path(__file__).resolve().parents[1] / "support"  # dist_launch, fuzz_worker
+if str(SUPPORT) not in sys.path:  # `python -m tests.fuzz` from the repository root
+    sys.path.insert(0, str(SUPPORT))
 
 
 def launch(examples: list[Example], out: Path, world: int, deadline_s: float = 600.0) -> list[Outcome]:

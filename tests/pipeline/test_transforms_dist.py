@@ -27,6 +27,7 @@ CASES = [
     "ensemble_fpipe_grad",
     "jvp",
     "hvp",
+    "inner_vmap_grad",
 ]
 
 

@@ -20,14 +20,28 @@ PAGES = ["CHECKPOINTS.md", "GENERATION.md", "RESUMING.md"]  # feature pages with
 
 @pytest.mark.parametrize("page", sorted(p.name for p in GUIDE.glob("*.md")))
 def test_guide_page_examples_run(page):
-    result = doctest.testfile(str(GUIDE / page), module_relative=False, optionflags=doctest.ELLIPSIS)
+    result = _run_page(GUIDE / page)
     assert result.failed == 0 and result.attempted > 5, result
 
 
 @pytest.mark.parametrize("page", PAGES)
 def test_feature_page_examples_run(page):
-    result = doctest.testfile(str(DOCS / page), module_relative=False, optionflags=doctest.ELLIPSIS)
+    result = _run_page(DOCS / page)
     assert result.failed == 0 and result.attempted >= 5, result
+
+
+def _run_page(path: Path) -> doctest.TestResults:
+    """The page's doctests, in this process: a page that leaves torch's default dtype changed
+    fails (the tests after it would run in that dtype: pass `dtype=` in the page instead)."""
+    import torch
+
+    before = torch.get_default_dtype()
+    try:
+        return doctest.testfile(str(path), module_relative=False, optionflags=doctest.ELLIPSIS)
+    finally:
+        after = torch.get_default_dtype()
+        torch.set_default_dtype(before)
+        assert after == before, f"{path.name} left torch's default dtype {after} (it was {before})"
 
 
 def _commands() -> list[str]:

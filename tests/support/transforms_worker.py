@@ -37,6 +37,22 @@ def chain(stages: int, out: str = "mean") -> Callable[..., Any]:
     return f
 
 
+def inner(stages: int) -> Callable[..., Any]:
+    """`chain(stages)`'s MLP written with torch.func inside the function: the first layer per
+    example under `vmap`, and a penalty on the gradient of tanh(h)^2 with respect to the last
+    activations (`grad` inside the last stage)."""
+
+    def g(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.func.vmap(lambda r: torch.tanh(r @ p["w0"] + p["b0"]))(x)
+        for i in range(1, stages):
+            h = torch.tanh(fpipe.stage_boundary(h) @ p[f"w{i}"] + p[f"b{i}"])
+        pen = torch.func.grad(lambda t: (torch.tanh(t) ** 2).sum())(h)
+        return ((h - y) ** 2).mean() + 0.1 * (pen**2).mean()
+
+    g.__name__ = f"inner{stages}"
+    return g
+
+
 def data(stages: int, batch: int, seed: int) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     p = {}
@@ -104,6 +120,10 @@ def cases(
             lambda: torch.func.jvp(lambda q: grad(f)(q, x, y), (p,), (v,)),
         ),
         **_vjp_runs(piped, stages, (p, x, y), dp, n),
+        "inner_vmap_grad": (  # fpipe.value_and_grad of a function that itself calls vmap and grad
+            lambda: fpipe.value_and_grad(_like(piped, inner(stages)))(p, mx, my),
+            lambda: torch.func.grad_and_value(inner(stages))(p, x, y)[::-1],
+        ),
         "vmap_of_something_else": (  # the call's inputs are not batched at the vmap's level
             lambda: vmap(lambda z: grad(piped)(p, mx, my)["w0"] * z)(zs),
             lambda: vmap(lambda z: grad(f)(p, x, y)["w0"] * z)(zs),

@@ -85,6 +85,7 @@ def _reaches_a_launcher(obj: Any) -> bool:
     return False
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     for item in items:
         function = getattr(item, "function", None)
@@ -94,6 +95,11 @@ def pytest_collection_modifyitems(config, items):
         used = [function, *(d.func for ds in defs for d in ds if _from_tests(d.func))]
         if any(_launches(f) for f in used):
             item.add_marker(pytest.mark.multirank)
+            # NOTE [two workers]: under `-n 2 --dist loadgroup` (pyproject's addopts) every
+            # multi-rank test runs in one worker, one after another, so each shared launch
+            # (`four_ranks`, `trust_launch`, ...) starts once; the single-process tests run in
+            # the other worker meanwhile, on the core the launches leave idle.
+            item.add_marker(pytest.mark.xdist_group("multirank"))
 
 
 def pytest_configure(config):

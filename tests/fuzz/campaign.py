@@ -122,6 +122,13 @@ def _run_all(exs: Iterable[Example], jobs: int) -> Iterator[Result]:
             yield from pool.imap(_one, batch, chunksize=2)
 
 
+def run_in_workers(exs: list[Example], jobs: int) -> list[Result]:
+    """`exs` run by `jobs` spawned worker processes (a clean interpreter each: safe to start
+    from a process that already ran threads, as a test session has), results in order."""
+    with multiprocessing.get_context("spawn").Pool(jobs, initializer=_init_worker) as pool:
+        return pool.map(_one, exs, chunksize=5)
+
+
 def _counts(results: list[Result]) -> str:
     c = collections.Counter(r.outcome.status for r in results)
     return " ".join(f"{k}={c[k]}" for k in ("ok", "fail", "refused"))

@@ -120,10 +120,7 @@ def cases(
             lambda: torch.func.jvp(lambda q: grad(f)(q, x, y), (p,), (v,)),
         ),
         **_vjp_runs(piped, stages, (p, x, y), dp, n),
-        "inner_vmap_grad": (  # fpipe.value_and_grad of a function that itself calls vmap and grad
-            lambda: fpipe.value_and_grad(_like(piped, inner(stages)))(p, mx, my),
-            lambda: torch.func.grad_and_value(inner(stages))(p, x, y)[::-1],
-        ),
+        **_inner_runs(piped, stages, (p, mx, my), (x, y)),
         "vmap_of_something_else": (  # the call's inputs are not batched at the vmap's level
             lambda: vmap(lambda z: grad(piped)(p, mx, my)["w0"] * z)(zs),
             lambda: vmap(lambda z: grad(f)(p, x, y)["w0"] * z)(zs),
@@ -137,6 +134,23 @@ def cases(
             out[name] = {"error": f"{type(err).__name__}: {err}"}
     out["refused"] = _refusals(piped, p, mx, my)
     return out
+
+
+def _inner_runs(piped: fpipe.Pipelined, stages: int, pxy: Any, whole: Any) -> dict[str, Any]:
+    """`fpipe.value_and_grad` of a function that itself calls vmap and grad (`inner`): the loss
+    and this rank's gradients (the ones it returns, at least one) against the unsplit function."""
+    got: dict[str, Any] = {}
+
+    def run() -> Any:
+        got["v"] = fpipe.value_and_grad(_like(piped, inner(stages)))(*pxy)
+        return got["v"]
+
+    def ref() -> Any:
+        grads, loss = torch.func.grad_and_value(inner(stages))(pxy[0], *whole)
+        assert got["v"][1], "no gradient on this rank"
+        return loss, {k: grads[k] for k in got["v"][1]}
+
+    return {"inner_vmap_grad": (run, ref)}
 
 
 def _like(piped: fpipe.Pipelined, f: Callable[..., Any], **over: Any) -> fpipe.Pipelined:

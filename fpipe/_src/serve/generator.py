@@ -163,7 +163,7 @@ class Generator:
         self._queue: deque[_Joining] = deque()
         self._slots: list[Request | None] = [None] * self.max_batch
         self.steps, self.submitted = 0, 0
-        self.shapes: dict[Shapes, Any] = {}  # the traced signatures this Generator has run
+        self.shapes: set[Shapes] = set()  # the step signatures this Generator has run
 
     def submit(
         self,
@@ -281,20 +281,20 @@ class Generator:
         return self._passes.share(out)
 
     def _programs(self, shapes: Shapes) -> Any:
-        """The programs of `shapes`, from `generate`'s trace cache (NOTE [trace key]) at their
-        first use by this Generator (whose buffers fix the model's dtypes), then kept here."""
-        if shapes not in self.shapes:
-            try:
-                self.shapes[shapes] = self._traces.get(self.model, shapes, self.stages, self._device)
-            except (RuntimeError, ValueError, TypeError) as err:
-                raise ValueError(
-                    f"{self.call}: tracing the model's step with every slot at its own position "
-                    f"(NOTE [slots]: a prepared 4-D attention mask) failed: {type(err).__name__}: "
-                    f"{err}. The request loop needs a model whose attention takes a 4-D mask as "
-                    "given (not one that derives more from the 2-D mask, as Bloom's ALiBi "
-                    "does); use fpipe.generate for this model."
-                ) from err
-        return self.shapes[shapes]
+        """The programs of `shapes`, from `generate`'s trace cache at every pass: the one trace
+        key (NOTE [trace key]) decides whether the model's step is traced again."""
+        try:
+            progs = self._traces.get(self.model, shapes, self.stages, self._device)
+        except (RuntimeError, ValueError, TypeError) as err:
+            raise ValueError(
+                f"{self.call}: tracing the model's step with every slot at its own position "
+                f"(NOTE [slots]: a prepared 4-D attention mask) failed: {type(err).__name__}: "
+                f"{err}. The request loop needs a model whose attention takes a 4-D mask as "
+                "given (not one that derives more from the 2-D mask, as Bloom's ALiBi "
+                "does); use fpipe.generate for this model."
+            ) from err
+        self.shapes.add(shapes)
+        return progs
 
     def _record(
         self, joining: list[tuple[int, _Joining]], running: dict[int, Request], tokens: torch.Tensor

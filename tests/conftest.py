@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import os
 import sys
 import textwrap
 from pathlib import Path
@@ -20,6 +21,10 @@ if str(SUPPORT) not in sys.path:
     sys.path.insert(0, str(SUPPORT))
 
 from dist_launch import ROOT, read_json, report, run_torchrun, torchrun_cmd  # noqa: E402
+
+# Every process the tests start (torchrun workers, examples, bare ranks) imports fpipe from this
+# checkout, not from wherever `pip install -e` pointed: a second worktree tests its own code.
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
 
 TRUST_RANKS = 2
 
